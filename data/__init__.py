@@ -1,0 +1,1 @@
+"""The frozen target, conversations → tokens with assistant loss masks, target features."""

@@ -1,0 +1,147 @@
+"""TokenBatch → FeatureBatch: what the frozen target gives a draft head to learn from.
+
+One extraction function serves online features (inside training) and the feature cache, so the
+two are the same computation. Batches are right-padded: with a causal mask, padding after a
+sequence cannot change the features of its real tokens, so no position ids are needed. Features
+at padded positions are zeroed so that they never depend on the batch they were computed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specdraft.data.chat import TokenizedConversation
+from specdraft.data.target import Target
+
+DEFAULT_LM_HEAD_CHUNK_TOKENS = 1024
+
+
+@dataclass
+class TokenBatch:
+    """Right-padded token batch. All B×T; ``attention_mask`` and ``loss_mask`` are 0/1 long."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    loss_mask: Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+
+@dataclass
+class FeatureBatch:
+    """Target features for a :class:`TokenBatch`.
+
+    hidden      B×T×H      last hidden state after the final norm, target dtype
+    aux         B×T×(k·H)  hidden_states[i] for the k requested aux layer ids, concatenated in
+                           the order given (None unless requested)
+    logits      B×T×V      fp32 target logits (None unless requested)
+    topk_ids    B×T×K      the target's K most likely next tokens (None unless top_k > 0)
+    topk_probs  B×T×K      their fp32 probabilities under the full softmax
+    All feature tensors are zero at padded positions.
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    loss_mask: Tensor
+    hidden: Tensor
+    aux: Tensor | None = None
+    logits: Tensor | None = None
+    topk_ids: Tensor | None = None
+    topk_probs: Tensor | None = None
+
+
+def collate(samples: Sequence[TokenizedConversation], pad_token_id: int) -> TokenBatch:
+    """Right-pad tokenized conversations into one :class:`TokenBatch`."""
+    if not samples:
+        raise ValueError("collate: no samples")
+    length = max(len(s.input_ids) for s in samples)
+    input_ids = torch.full((len(samples), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(samples), length), dtype=torch.long)
+    loss_mask = torch.zeros((len(samples), length), dtype=torch.long)
+    for row, sample in enumerate(samples):
+        n = len(sample.input_ids)
+        input_ids[row, :n] = torch.tensor(sample.input_ids, dtype=torch.long)
+        attention_mask[row, :n] = 1
+        loss_mask[row, :n] = torch.tensor(sample.loss_mask, dtype=torch.long)
+    return TokenBatch(input_ids, attention_mask, loss_mask)
+
+
+@torch.no_grad()
+def extract_features(
+    target: Target,
+    batch: TokenBatch,
+    aux_layer_ids: Sequence[int] = (),
+    with_logits: bool = False,
+    top_k: int = 0,
+    lm_head_chunk_tokens: int = DEFAULT_LM_HEAD_CHUNK_TOKENS,
+) -> FeatureBatch:
+    """Run the frozen target once over ``batch``.
+
+    ``aux_layer_ids`` use the hidden_states convention of :mod:`specdraft.heads.spec` (id i =
+    the stream entering decoder layer i); they are captured with forward pre-hooks, so only the
+    requested layers are kept, not all N+1 hidden states. The lm_head runs only when logits or
+    top-k are asked for, over real tokens only, ``lm_head_chunk_tokens`` at a time (a full
+    B×T×V fp32 tensor for a 49k vocabulary is 200 kB per token).
+    """
+    device = target.device
+    input_ids = batch.input_ids.to(device)
+    attention_mask = batch.attention_mask.to(device)
+    decoder = target.model.get_decoder()
+    layers = decoder.layers
+    for layer_id in aux_layer_ids:
+        if not 0 <= layer_id < len(layers):
+            raise ValueError(f"aux layer id {layer_id} out of range 0..{len(layers) - 1} (hidden_states indexing)")
+
+    captured: dict[int, Tensor] = {}
+
+    def capture(layer_id: int):
+        def hook(module, args, kwargs):
+            captured[layer_id] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    handles = [layers[i].register_forward_pre_hook(capture(i), with_kwargs=True) for i in aux_layer_ids]
+    try:
+        output = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    keep = attention_mask.unsqueeze(-1).to(output.last_hidden_state.dtype)
+    hidden = output.last_hidden_state * keep
+    features = FeatureBatch(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        loss_mask=batch.loss_mask,
+        hidden=hidden,
+        aux=torch.cat([captured[i] for i in aux_layer_ids], dim=-1) * keep if aux_layer_ids else None,
+    )
+    if with_logits or top_k > 0:
+        logits = _chunked_lm_head(target, hidden, attention_mask.bool(), lm_head_chunk_tokens)
+        if top_k > 0:
+            probs, ids = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+            valid = attention_mask.unsqueeze(-1)
+            features.topk_probs, features.topk_ids = probs * valid, ids * valid
+        if with_logits:
+            features.logits = logits
+    return features
+
+
+def _chunked_lm_head(target: Target, hidden: Tensor, valid: Tensor, chunk_tokens: int) -> Tensor:
+    """fp32 logits B×T×V, computed only at valid positions (zeros elsewhere)."""
+    lm_head = target.model.get_output_embeddings()
+    batch_size, length, _ = hidden.shape
+    logits = torch.zeros(batch_size, length, lm_head.out_features, dtype=torch.float32, device=hidden.device)
+    flat_index = valid.reshape(-1).nonzero().squeeze(-1)
+    flat_hidden = hidden.reshape(batch_size * length, -1)
+    flat_logits = logits.view(batch_size * length, -1)
+    for start in range(0, flat_index.numel(), chunk_tokens):
+        index = flat_index[start : start + chunk_tokens]
+        flat_logits[index] = lm_head(flat_hidden[index]).float()
+    return logits

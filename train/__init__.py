@@ -1,0 +1,1 @@
+"""Losses, multi-step rollout, the LightningModule and the training entry point (not yet built)."""
