@@ -186,7 +186,7 @@ def _locate(text: str, content: str, search_from: int, conversation_id: str, ind
         if start >= 0 and candidate:
             return start, start + len(candidate)
     raise ChatTemplateError(
-        f"answer not found: message {index} of {conversation_id} does not appear verbatim in the rendered text"
+        f"answer not found: message {index} of {conversation_id} is not verbatim in the rendered text"
     )
 
 
@@ -203,7 +203,7 @@ def _mark_answer(
     # Offsets are non-decreasing: skip straight to the first token ending after ``start``.
     first = bisect.bisect_right(offsets, start, key=lambda span: span[1])
     for position in range(first, len(offsets)):
-        token_start, token_end = offsets[position]
+        token_start = offsets[position][0]
         if token_start >= end:
             if token_start < turn_end and input_ids[position] in special_ids:
                 loss_mask[position] = 1

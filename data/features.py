@@ -72,6 +72,25 @@ def collate(samples: Sequence[TokenizedConversation], pad_token_id: int) -> Toke
     return TokenBatch(input_ids, attention_mask, loss_mask)
 
 
+def length_batches(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:
+    """Group sample indices into batches of similar length (so padding is small) whose padded
+    size ``batch size × longest length`` stays within ``max_batch_tokens``. Longest first, so a
+    batch that does not fit in memory fails at once, not at the end."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    batches: list[list[int]] = []
+    for index in order:
+        if lengths[index] > max_batch_tokens:
+            raise ValueError(
+                f"a sample of {lengths[index]} tokens exceeds max_batch_tokens={max_batch_tokens}"
+            )
+        # Sorted descending: the batch's first sample is its longest.
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_batch_tokens:
+            batches[-1].append(index)
+        else:
+            batches.append([index])
+    return batches
+
+
 @torch.no_grad()
 def extract_features(
     target: Target,
@@ -96,7 +115,9 @@ def extract_features(
     layers = decoder.layers
     for layer_id in aux_layer_ids:
         if not 0 <= layer_id < len(layers):
-            raise ValueError(f"aux layer id {layer_id} out of range 0..{len(layers) - 1} (hidden_states indexing)")
+            raise ValueError(
+                f"aux layer id {layer_id} out of range 0..{len(layers) - 1} (hidden_states indexing)"
+            )
 
     captured: dict[int, Tensor] = {}
 

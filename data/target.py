@@ -71,7 +71,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
     if dtype != "auto":
         resolved = getattr(torch, dtype, None)
         if not isinstance(resolved, torch.dtype):
-            raise ValueError(f"target dtype {dtype!r} is not a torch dtype name (e.g. bfloat16, float32, auto)")
+            raise ValueError(
+                f"target dtype {dtype!r} is not a torch dtype name (e.g. bfloat16, float32, auto)"
+            )
         return resolved
     if torch.device(device).type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

