@@ -126,8 +126,9 @@ def test_loss_mask_token_by_token(make_tokenizer, expected_runs, expected_text):
     assert tokenizer.decode(list(tokenized.input_ids)) == expected_text
     assert masked_runs(tokenizer, tokenized) == expected_runs
     # one token per character (specials whole), so the count pins every position
-    assert tokenized.num_loss_tokens == sum(len(tokenizer(run, add_special_tokens=False).input_ids)
-                                            for run in expected_runs)
+    assert tokenized.num_loss_tokens == sum(
+        len(tokenizer(run, add_special_tokens=False).input_ids) for run in expected_runs
+    )
 
 
 def test_template_bos_is_not_doubled():
@@ -139,7 +140,9 @@ def test_template_bos_is_not_doubled():
 
 
 def test_trimming_template_masks_the_trimmed_answer():
-    tokenized = tokenize_conversation(llama3(), conversation(("user", "q"), ("assistant", "  spaced answer \n")))
+    tokenized = tokenize_conversation(
+        llama3(), conversation(("user", "q"), ("assistant", "  spaced answer \n"))
+    )
     assert masked_runs(llama3(), tokenized) == ["spaced answer<|eot_id|>"]
 
 
@@ -173,7 +176,9 @@ def test_truncation_cuts_ids_and_mask_together():
 def test_tokenize_conversations_counts_truncation_and_skips():
     tokenizer = chatml()
     prompt_heavy = conversation(("user", "x" * 200), ("assistant", "late answer"), conversation_id="long")
-    kept, report = tokenize_conversations(tokenizer, [TWO_TURNS, prompt_heavy], max_length=100, progress=False)
+    kept, report = tokenize_conversations(
+        tokenizer, [TWO_TURNS, prompt_heavy], max_length=100, progress=False
+    )
     assert [k.id for k in kept] == ["c1"]
     assert report.truncated == 2
     assert report.skipped == {"no assistant token within max_length": 1}

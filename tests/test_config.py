@@ -56,17 +56,38 @@ def test_default_config_is_smollm2_with_bundled_sharegpt():
 
 
 def test_prepare_cli_end_to_end_on_the_tiny_target(tmp_path):
-    lines = [json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": f"question {i}"},
-                                                       {"role": "assistant", "content": f"answer {i}"}]})
-             for i in range(30)]
+    lines = [
+        json.dumps(
+            {
+                "id": f"c{i}",
+                "messages": [
+                    {"role": "user", "content": f"question {i}"},
+                    {"role": "assistant", "content": f"answer {i}"},
+                ],
+            }
+        )
+        for i in range(30)
+    ]
     lines.append("{broken")
     (tmp_path / "chats.jsonl").write_text("\n".join(lines))
     run_dir = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "specdraft.data.prepare", "target=tiny_random", "data=jsonl",
-         f"data.source.path={tmp_path / 'chats.jsonl'}", "sample_conversations=10", "progress=false",
-         f"hydra.run.dir={run_dir}", "chat_check.max_new_tokens=4"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "specdraft.data.prepare",
+            "target=tiny_random",
+            "data=jsonl",
+            f"data.source.path={tmp_path / 'chats.jsonl'}",
+            "sample_conversations=10",
+            "progress=false",
+            f"hydra.run.dir={run_dir}",
+            "chat_check.max_new_tokens=4",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())

@@ -18,7 +18,7 @@ def sharegpt_record(index: int) -> dict:
     return {
         "id": f"rec{index}_0",
         "conversations": [
-            {"from": "human", "value": f"question {index} with \"quotes\" and ] brackets"},
+            {"from": "human", "value": f'question {index} with "quotes" and ] brackets'},
             {"from": "gpt", "value": f"answer {index}\n{{not json}}"},
         ],
     }
@@ -73,8 +73,16 @@ def normalise(record, record_id="r"):
 
 @pytest.mark.parametrize(
     ("source_role", "role"),
-    [("human", "user"), ("user", "user"), ("gpt", "assistant"), ("assistant", "assistant"),
-     ("chatgpt", "assistant"), ("bard", "assistant"), ("bing", "assistant"), ("GPT", "assistant")],
+    [
+        ("human", "user"),
+        ("user", "user"),
+        ("gpt", "assistant"),
+        ("assistant", "assistant"),
+        ("chatgpt", "assistant"),
+        ("bard", "assistant"),
+        ("bing", "assistant"),
+        ("GPT", "assistant"),
+    ],
 )
 def test_role_normalisation(source_role, role):
     other = "gpt" if role == "user" else "human"
@@ -86,23 +94,44 @@ def test_role_normalisation(source_role, role):
 
 
 def test_unknown_roles_are_dropped_and_counted():
-    conversation, report = normalise({"messages": [
-        {"role": "user", "content": "q"}, {"role": "tool", "content": "t"}, {"role": "assistant", "content": "a"}]})
+    conversation, report = normalise(
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "tool", "content": "t"},
+                {"role": "assistant", "content": "a"},
+            ]
+        }
+    )
     assert [m.role for m in conversation.messages] == ["user", "assistant"]
     assert report.dropped_roles == {"tool": 1}
 
 
 def test_leading_assistant_and_trailing_user_are_dropped_and_counted():
-    conversation, report = normalise({"conversations": [
-        {"from": "gpt", "value": "orphan"}, {"from": "human", "value": "q"},
-        {"from": "gpt", "value": "a"}, {"from": "human", "value": "unanswered"}]})
+    conversation, report = normalise(
+        {
+            "conversations": [
+                {"from": "gpt", "value": "orphan"},
+                {"from": "human", "value": "q"},
+                {"from": "gpt", "value": "a"},
+                {"from": "human", "value": "unanswered"},
+            ]
+        }
+    )
     assert [m.content for m in conversation.messages] == ["q", "a"]
     assert (report.dropped_leading_assistant, report.dropped_trailing_user) == (1, 1)
 
 
 def test_system_message_is_kept_first():
-    conversation, _ = normalise({"messages": [
-        {"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+    conversation, _ = normalise(
+        {
+            "messages": [
+                {"role": "system", "content": "s"},
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "a"},
+            ]
+        }
+    )
     assert [m.role for m in conversation.messages] == ["system", "user", "assistant"]
 
 
@@ -114,10 +143,26 @@ def test_system_message_is_kept_first():
         ({"conversations": [{"value": "no role"}]}, "turn without a 'from' string"),
         ({"conversations": [{"from": "human"}]}, "turn without a 'value' text"),
         ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "  "}]}, "empty turn"),
-        ({"conversations": [{"from": "human", "value": "q"}, {"from": "human", "value": "q2"},
-                            {"from": "gpt", "value": "a"}]}, "roles do not alternate user/assistant"),
-        ({"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"},
-                       {"role": "assistant", "content": "a"}]}, "system message after the first turn"),
+        (
+            {
+                "conversations": [
+                    {"from": "human", "value": "q"},
+                    {"from": "human", "value": "q2"},
+                    {"from": "gpt", "value": "a"},
+                ]
+            },
+            "roles do not alternate user/assistant",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "system", "content": "s"},
+                    {"role": "assistant", "content": "a"},
+                ]
+            },
+            "system message after the first turn",
+        ),
         ({"conversations": [{"from": "human", "value": "q"}]}, "no assistant turn"),
     ],
 )
@@ -129,9 +174,17 @@ def test_malformed_records_are_skipped_with_reason_and_example(record, reason):
 
 
 def test_openai_content_parts_are_joined():
-    conversation, _ = normalise({"messages": [
-        {"role": "user", "content": [{"type": "text", "text": "look "}, {"type": "text", "text": "here"}]},
-        {"role": "assistant", "content": "ok"}]})
+    conversation, _ = normalise(
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "look "}, {"type": "text", "text": "here"}],
+                },
+                {"role": "assistant", "content": "ok"},
+            ]
+        }
+    )
     assert conversation.messages[0].content == "look here"
 
 
@@ -166,8 +219,12 @@ def test_hf_dataset_saved_to_disk(tmp_path):
 
 
 def test_hf_dataset_from_local_json_files(tmp_path):
-    lines = [json.dumps({"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]})
-             for i in range(4)]
+    lines = [
+        json.dumps(
+            {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+        )
+        for i in range(4)
+    ]
     (tmp_path / "train.jsonl").write_text("\n".join(lines))
     result = read_hf_dataset("json", data_files=str(tmp_path / "train.jsonl"))
     assert len(result.conversations) == 4
@@ -186,7 +243,9 @@ def test_split_is_deterministic_keeps_parts_together_and_has_the_requested_size(
 def test_split_conversations_partitions_in_order():
     from specdraft.data.conversations import Conversation
 
-    conversations = [Conversation(f"c{i}", (Message("user", "q"), Message("assistant", "a"))) for i in range(200)]
+    conversations = [
+        Conversation(f"c{i}", (Message("user", "q"), Message("assistant", "a"))) for i in range(200)
+    ]
     train, heldout = split_conversations(conversations, 0.1)
     assert sorted(c.id for c in train + heldout) == sorted(c.id for c in conversations)
     assert train == [c for c in conversations if c not in heldout]

@@ -11,8 +11,7 @@ HEAVY = ("transformers", "lightning", "pytorch_lightning", "hydra", "wandb", "da
 
 def test_heads_imports_only_torch_and_safetensors():
     code = (
-        "import sys, specdraft.heads; "
-        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))"
+        f"import sys, specdraft.heads; print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
@@ -20,8 +19,20 @@ def test_heads_imports_only_torch_and_safetensors():
 
 def test_wheel_installs_only_specdraft_and_imports_outside_the_checkout(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
     )
     (wheel,) = tmp_path.glob("specdraft-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -41,7 +52,10 @@ def test_wheel_installs_only_specdraft_and_imports_outside_the_checkout(tmp_path
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=outside,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=outside,
         env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
     )
     assert result.returncode == 0, result.stderr[-2000:]

@@ -11,7 +11,8 @@ from specdraft.data.tiny import tiny_random_target
 def tokenized_samples(target, answers=("Hello there, friend.", "Hi", "A much longer answer " * 4)):
     return [
         tokenize_conversation(
-            target.tokenizer, Conversation(f"c{i}", (Message("user", f"question {i}"), Message("assistant", a)))
+            target.tokenizer,
+            Conversation(f"c{i}", (Message("user", f"question {i}"), Message("assistant", a))),
         )
         for i, a in enumerate(answers)
     ]
@@ -63,7 +64,7 @@ def test_aux_layers_follow_the_hidden_states_convention(tiny_target):
     assert torch.equal(aux[1], reference[1])
     assert torch.equal(aux[2], reference[3])
     assert torch.equal(features.hidden, reference[4])  # hidden_states[N] is AFTER the final norm
-    with pytest.raises(ValueError, match="out of range 0..3"):
+    with pytest.raises(ValueError, match=r"out of range 0\.\.3"):
         extract_features(tiny_target, batch, aux_layer_ids=(4,))
 
 
@@ -121,7 +122,9 @@ def test_collate_right_pads(tiny_target):
     assert batch.input_ids.shape == (3, longest)
     assert batch.num_tokens == sum(len(s.input_ids) for s in samples)
     short = samples[1]
-    assert batch.attention_mask[1].tolist() == [1] * len(short.input_ids) + [0] * (longest - len(short.input_ids))
+    assert batch.attention_mask[1].tolist() == [1] * len(short.input_ids) + [0] * (
+        longest - len(short.input_ids)
+    )
 
 
 def test_hf_loader_on_a_local_directory(tmp_path, tiny_target):
