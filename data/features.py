@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -144,25 +145,33 @@ def extract_features(
         aux=torch.cat([captured[i] for i in aux_layer_ids], dim=-1) * keep if aux_layer_ids else None,
     )
     if with_logits or top_k > 0:
-        logits = _chunked_lm_head(target, hidden, attention_mask.bool(), lm_head_chunk_tokens)
-        if top_k > 0:
-            probs, ids = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
-            valid = attention_mask.unsqueeze(-1)
-            features.topk_probs, features.topk_ids = probs * valid, ids * valid
-        if with_logits:
-            features.logits = logits
+        _lm_head_outputs(target, features, top_k, with_logits, lm_head_chunk_tokens)
     return features
 
 
-def _chunked_lm_head(target: Target, hidden: Tensor, valid: Tensor, chunk_tokens: int) -> Tensor:
-    """fp32 logits B×T×V, computed only at valid positions (zeros elsewhere)."""
+def _lm_head_outputs(
+    target: Target, features: FeatureBatch, top_k: int, with_logits: bool, chunk: int
+) -> None:
+    """Fill ``features.topk_*`` / ``features.logits`` from the frozen lm_head, ``chunk`` real tokens at
+    a time. Only the requested outputs are allocated: top-k alone never holds more than one
+    chunk of fp32 logits (B×T×V fp32 would be 1.6 GB for an 8k-token batch of a 49k vocab)."""
     lm_head = target.model.get_output_embeddings()
+    hidden = features.hidden
     batch_size, length, _ = hidden.shape
-    logits = torch.zeros(batch_size, length, lm_head.out_features, dtype=torch.float32, device=hidden.device)
-    flat_index = valid.reshape(-1).nonzero().squeeze(-1)
+    flat_index = features.attention_mask.to(hidden.device).reshape(-1).nonzero().squeeze(-1)
     flat_hidden = hidden.reshape(batch_size * length, -1)
-    flat_logits = logits.view(batch_size * length, -1)
-    for start in range(0, flat_index.numel(), chunk_tokens):
-        index = flat_index[start : start + chunk_tokens]
-        flat_logits[index] = lm_head(flat_hidden[index]).float()
-    return logits
+    zeros = partial(torch.zeros, device=hidden.device)
+    if with_logits:
+        features.logits = zeros(batch_size, length, lm_head.out_features, dtype=torch.float32)
+    if top_k > 0:
+        features.topk_probs = zeros(batch_size, length, top_k, dtype=torch.float32)
+        features.topk_ids = zeros(batch_size, length, top_k, dtype=torch.long)
+    for start in range(0, flat_index.numel(), chunk):
+        index = flat_index[start : start + chunk]
+        logits = lm_head(flat_hidden[index]).float()
+        if with_logits:
+            features.logits.view(batch_size * length, -1)[index] = logits
+        if top_k > 0:
+            probs, ids = logits.softmax(dim=-1).topk(top_k, dim=-1)
+            features.topk_probs.view(batch_size * length, top_k)[index] = probs
+            features.topk_ids.view(batch_size * length, top_k)[index] = ids
