@@ -1,0 +1,481 @@
+"""The offline feature cache: safetensors shards + a JSON manifest.
+
+Layout of a cache directory::
+
+    plan.json                 what will be stored: header (target spec, tokenizer fingerprint, data
+                              source, split, token-id hash, stored fields) + the shard plan
+    shard-00000.safetensors   samples packed back to back, no padding:
+                                input_ids [N] int32, loss_mask [N] uint8, offsets [S+1] int64,
+                                hidden [N, H] target dtype, aux [N, k·H] (optional),
+                                topk_ids [N, K] int32 + topk_probs [N, K] fp32 (optional)
+    shard-00000.json          sidecar: sample ids, counts, size and SHA-256 of the shard file
+    manifest.json             plan + every sidecar, written once all shards exist
+
+Crash safety: a shard is written to a temporary file and renamed into place, then its sidecar is
+written the same way; a shard counts as done only when its sidecar exists and matches the file.
+The shard plan depends on the token ids alone, and each shard is computed in the same batches
+whenever it is computed, so a run killed at any moment and started again ends with the same
+files as an uninterrupted run. Ranks split the shards round-robin (shard i → rank i % world);
+whichever rank finds every shard done writes the manifest (re-running any rank, or
+``mode=validate``, also does).
+
+Features of one sequence depend, at rounding level, on the other sequences in its batch (matmul
+blocking follows the batch shape; measured on the tiny target: fp32 ≤ 6e-7, bf16 ≤ 1.6e-2 max abs
+difference). "Cached == online" therefore holds bit for bit for the same batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from specdraft.data.atomic import write_bytes_atomic, write_json_atomic
+from specdraft.data.chat import TokenizedConversation
+from specdraft.data.features import FeatureBatch, collate, extract_features, length_batches
+from specdraft.data.target import Target
+from specdraft.heads.spec import TargetSpec
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT_VERSION = 1
+_HASH_CHUNK_BYTES = 1 << 22
+
+
+class CacheError(ValueError):
+    """A cache that does not match what was asked for, or that is damaged."""
+
+
+@dataclass(frozen=True)
+class StoredFields:
+    """What a cache holds besides tokens and the last hidden state."""
+
+    aux_layer_ids: tuple[int, ...] = ()
+    top_k: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"aux_layer_ids": list(self.aux_layer_ids), "top_k": self.top_k}
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """SHA-256 of everything that decides the token ids: the tokenizer model, its special
+    tokens and the chat template."""
+    digest = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode())
+    digest.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    digest.update((tokenizer.chat_template or "").encode())
+    return digest.hexdigest()
+
+
+def token_hash(samples: Sequence[TokenizedConversation]) -> str:
+    """SHA-256 over every sample's id, token ids and loss mask, in order."""
+    digest = hashlib.sha256()
+    for sample in samples:
+        digest.update(sample.id.encode() + b"\0")
+        digest.update(torch.tensor(sample.input_ids, dtype=torch.int32).numpy().tobytes())
+        digest.update(bytes(sample.loss_mask))
+    return digest.hexdigest()
+
+
+def plan_shards(lengths: Sequence[int], shard_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive [start, end) sample ranges of at most ``shard_tokens`` tokens (a longer
+    sample gets a shard of its own)."""
+    shards, start, tokens = [], 0, 0
+    for index, length in enumerate(lengths):
+        if index > start and tokens + length > shard_tokens:
+            shards.append((start, index))
+            start, tokens = index, 0
+        tokens += length
+    if start < len(lengths):
+        shards.append((start, len(lengths)))
+    return shards
+
+
+def cache_plan(
+    target: Target,
+    samples: Sequence[TokenizedConversation],
+    fields: StoredFields,
+    source: dict[str, Any],
+    shard_tokens: int,
+    batch_tokens: int,
+) -> dict[str, Any]:
+    """The plan.json content: identical for every run (and rank) over the same inputs."""
+    shards = plan_shards([len(s.input_ids) for s in samples], shard_tokens)
+    plan = {
+        "format_version": CACHE_FORMAT_VERSION,
+        "target": target.spec.to_dict(),
+        "tokenizer_fingerprint": tokenizer_fingerprint(target.tokenizer),
+        "source": source,
+        "fields": fields.to_dict(),
+        "num_samples": len(samples),
+        "num_tokens": sum(len(s.input_ids) for s in samples),
+        "token_hash": token_hash(samples),
+        "batch_tokens": batch_tokens,
+        "shards": [
+            {"name": shard_name(i), "first_sample": start, "num_samples": end - start}
+            for i, (start, end) in enumerate(shards)
+        ],
+    }
+    return json.loads(json.dumps(plan))  # the form it has when read back (tuples become lists)
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}"
+
+
+def write_cache(
+    target: Target,
+    samples: Sequence[TokenizedConversation],
+    out_dir: str | Path,
+    fields: StoredFields,
+    source: dict[str, Any],
+    shard_tokens: int = 1 << 18,
+    batch_tokens: int = 8192,
+    rank: int = 0,
+    world_size: int = 1,
+    progress: bool = True,
+) -> dict[str, Any] | None:
+    """Compute and write this rank's missing shards; return the manifest once every shard exists."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
+    out_dir = Path(out_dir)
+    plan = cache_plan(target, samples, fields, source, shard_tokens, batch_tokens)
+    _check_or_write_plan(out_dir, plan)
+    mine = [i for i in range(len(plan["shards"])) if i % world_size == rank]
+    for index in mine:  # temporary files of a killed run; only this rank writes these shards
+        for stale in out_dir.glob(f".{plan['shards'][index]['name']}.*"):
+            stale.unlink(missing_ok=True)
+    todo = [i for i in mine if _sidecar_if_done(out_dir, plan["shards"][i]["name"]) is None]
+    shard_ranges = [(s["first_sample"], s["first_sample"] + s["num_samples"]) for s in plan["shards"]]
+    todo_tokens = sum(len(samples[j].input_ids) for i in todo for j in range(*shard_ranges[i]))
+    log.info(
+        "cache %s: %d shards, rank %d/%d owns %d, %d to write",
+        out_dir,
+        len(shard_ranges),
+        rank,
+        world_size,
+        len(mine),
+        len(todo),
+    )
+    with tqdm(
+        total=todo_tokens, desc=f"cache rank {rank}", unit="tok", unit_scale=True, disable=not progress
+    ) as bar:
+        for index in todo:
+            start, end = shard_ranges[index]
+            shard_samples = samples[start:end]
+            tensors = compute_shard(target, shard_samples, fields, batch_tokens, bar.update)
+            _write_shard(out_dir, plan["shards"][index]["name"], tensors, shard_samples)
+    return finalize_manifest(out_dir)
+
+
+def compute_shard(
+    target: Target,
+    samples: Sequence[TokenizedConversation],
+    fields: StoredFields,
+    batch_tokens: int,
+    on_batch_tokens: Callable[[int], object] = lambda n: None,
+) -> dict[str, Tensor]:
+    """Features for one shard's samples, packed in sample order. Batches are length-bucketed,
+    and each batch's rows are copied into the packed tensors at once, so memory holds one shard
+    plus one batch."""
+    lengths = torch.tensor([len(s.input_ids) for s in samples])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    tokens, hidden_size = int(offsets[-1]), target.spec.hidden_size
+    tensors = {
+        "input_ids": torch.cat([torch.tensor(s.input_ids, dtype=torch.int32) for s in samples]),
+        "loss_mask": torch.cat([torch.tensor(s.loss_mask, dtype=torch.uint8) for s in samples]),
+        "offsets": offsets,
+        "hidden": torch.empty(tokens, hidden_size, dtype=target.dtype),
+    }
+    if fields.aux_layer_ids:
+        tensors["aux"] = torch.empty(tokens, len(fields.aux_layer_ids) * hidden_size, dtype=target.dtype)
+    if fields.top_k:
+        tensors["topk_ids"] = torch.empty(tokens, fields.top_k, dtype=torch.int32)
+        tensors["topk_probs"] = torch.empty(tokens, fields.top_k, dtype=torch.float32)
+    feature_names = [name for name in ("hidden", "aux", "topk_ids", "topk_probs") if name in tensors]
+
+    pad_id = pad_token_id(target.spec)
+    for indices in length_batches(lengths.tolist(), batch_tokens):
+        batch = collate([samples[i] for i in indices], pad_id)
+        features = extract_features(target, batch, fields.aux_layer_ids, top_k=fields.top_k)
+        for row, index in enumerate(indices):
+            start, end = int(offsets[index]), int(offsets[index + 1])
+            for name in feature_names:
+                tensors[name][start:end] = getattr(features, name)[row, : end - start].to(
+                    tensors[name].device
+                )
+        on_batch_tokens(batch.num_tokens)
+    return tensors
+
+
+def pad_token_id(spec: TargetSpec) -> int:
+    return spec.pad_token_id if spec.pad_token_id is not None else spec.eos_token_ids[0]
+
+
+def finalize_manifest(out_dir: str | Path) -> dict[str, Any] | None:
+    """Write manifest.json if every planned shard is done; return it (None if shards are missing)."""
+    out_dir = Path(out_dir)
+    plan = _read_json(out_dir / "plan.json")
+    sidecars = [_sidecar_if_done(out_dir, shard["name"]) for shard in plan["shards"]]
+    missing = [s["name"] for s, sidecar in zip(plan["shards"], sidecars, strict=True) if sidecar is None]
+    if missing:
+        log.info(
+            "cache %s: %d of %d shards still missing (e.g. %s)",
+            out_dir,
+            len(missing),
+            len(sidecars),
+            missing[0],
+        )
+        return None
+    manifest = {
+        **plan,
+        "shards": [{**s, **sidecar} for s, sidecar in zip(plan["shards"], sidecars, strict=True)],
+    }
+    manifest_path = out_dir / "manifest.json"
+    if not manifest_path.is_file() or _read_json(manifest_path) != manifest:
+        write_json_atomic(manifest_path, manifest)
+    return manifest
+
+
+def validate_cache(out_dir: str | Path) -> dict[str, Any]:
+    """Check every shard against the manifest: size, SHA-256, tensor names, shapes and dtypes.
+    Raises :class:`CacheError` naming every bad file; returns the manifest."""
+    out_dir = Path(out_dir)
+    manifest = _read_json(out_dir / "manifest.json")
+    hidden_size = manifest["target"]["hidden_size"]
+    problems = []
+    for shard in tqdm(manifest["shards"], desc="validate", unit="shard"):
+        path = out_dir / f"{shard['name']}.safetensors"
+        try:
+            _check_checksum(path, shard)
+            with safe_open(str(path), "pt") as handle:
+                _check_shapes(handle, shard, manifest["fields"], hidden_size)
+        except (CacheError, OSError) as error:
+            problems.append(str(error))
+    if problems:
+        raise CacheError(f"cache {out_dir} is damaged:\n  " + "\n  ".join(problems))
+    return manifest
+
+
+class FeatureCache(torch.utils.data.Dataset):
+    """Random access to the samples of a finished cache.
+
+    ``expect`` (the target training will use) and ``expect_fields`` are checked against the
+    manifest, and every shard's checksum is verified once when the cache is opened (``verify``).
+    Shard files are memory-mapped lazily per process, so the dataset pickles to DataLoader workers.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        expect: TargetSpec | None = None,
+        expect_fields: StoredFields | None = None,
+        verify: bool = True,
+    ) -> None:
+        self.dir = Path(out_dir)
+        manifest_path = self.dir / "manifest.json"
+        if not manifest_path.is_file():
+            raise CacheError(
+                f"{manifest_path} not found: the cache is unfinished or this is not a cache directory"
+            )
+        self.manifest = validate_cache(self.dir) if verify else _read_json(manifest_path)
+        if expect is not None:
+            check_target_matches(self.manifest, expect, str(manifest_path))
+        if expect_fields is not None:
+            _check_fields(self.manifest, expect_fields, str(manifest_path))
+        self._locations: list[tuple[int, int, int]] = []  # (shard, start token, end token)
+        for shard_index, shard in enumerate(self.manifest["shards"]):
+            offsets = shard["offsets"]
+            self._locations += [
+                (shard_index, offsets[i], offsets[i + 1]) for i in range(shard["num_samples"])
+            ]
+        self._handles: dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self._locations)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [end - start for _, start, end in self._locations]
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return [sample_id for shard in self.manifest["shards"] for sample_id in shard["sample_ids"]]
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        shard_index, start, end = self._locations[index]
+        handle = self._handle(shard_index)
+        names = handle.keys()  # safe_open handles are not iterable
+        sample = {name: handle.get_slice(name)[start:end] for name in names if name != "offsets"}
+        sample["input_ids"] = sample["input_ids"].long()
+        sample["loss_mask"] = sample["loss_mask"].long()
+        if "topk_ids" in sample:
+            sample["topk_ids"] = sample["topk_ids"].long()
+        return sample
+
+    def _handle(self, shard_index: int):
+        if shard_index not in self._handles:
+            path = self.dir / f"{self.manifest['shards'][shard_index]['name']}.safetensors"
+            self._handles[shard_index] = safe_open(str(path), "pt")
+        return self._handles[shard_index]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_handles": {}}
+
+
+def collate_cached(samples: Sequence[dict[str, Tensor]], pad_token_id: int) -> FeatureBatch:
+    """Right-pad cached samples into a :class:`FeatureBatch` (features zero at padding, as online)."""
+    length = max(len(s["input_ids"]) for s in samples)
+
+    def stack(name: str, fill: int = 0) -> Tensor:
+        first = samples[0][name]
+        out = torch.full((len(samples), length, *first.shape[1:]), fill, dtype=first.dtype)
+        for row, sample in enumerate(samples):
+            out[row, : len(sample[name])] = sample[name]
+        return out
+
+    attention_mask = torch.zeros(len(samples), length, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        attention_mask[row, : len(sample["input_ids"])] = 1
+    has = samples[0].keys()
+    return FeatureBatch(
+        input_ids=stack("input_ids", pad_token_id),
+        attention_mask=attention_mask,
+        loss_mask=stack("loss_mask"),
+        hidden=stack("hidden"),
+        aux=stack("aux") if "aux" in has else None,
+        topk_ids=stack("topk_ids") if "topk_ids" in has else None,
+        topk_probs=stack("topk_probs") if "topk_probs" in has else None,
+    )
+
+
+def check_target_matches(manifest: dict[str, Any], spec: TargetSpec, where: str) -> None:
+    """The cache must come from the same target (identity and shapes) as ``spec``."""
+    cached = manifest["target"]
+    keys = ("name", "revision", "hidden_size", "num_layers", "vocab_size", "dtype")
+    differences = [
+        f"{k}: cache has {cached.get(k)!r}, target has {getattr(spec, k)!r}"
+        for k in keys
+        if cached.get(k) != getattr(spec, k)
+    ]
+    if differences:
+        raise CacheError(f"{where} was computed for another target:\n  " + "\n  ".join(differences))
+
+
+def _check_fields(manifest: dict[str, Any], fields: StoredFields, where: str) -> None:
+    cached = manifest["fields"]
+    if tuple(cached["aux_layer_ids"]) != fields.aux_layer_ids or cached["top_k"] < fields.top_k:
+        raise CacheError(
+            f"{where} stores aux_layer_ids={cached['aux_layer_ids']} top_k={cached['top_k']}, "
+            f"but aux_layer_ids={list(fields.aux_layer_ids)} top_k={fields.top_k} are needed"
+        )
+
+
+def _check_or_write_plan(out_dir: Path, plan: dict[str, Any]) -> None:
+    path = out_dir / "plan.json"
+    if not path.is_file():
+        write_json_atomic(path, plan)
+        return
+    existing = _read_json(path)
+    if existing == plan:
+        return
+    details = "\n  ".join(_differences(existing, plan)) or "the shard plan"
+    raise CacheError(
+        f"{out_dir} already holds a cache of different inputs (nothing was changed):\n  {details}\n"
+        "choose another output directory or remove this one"
+    )
+
+
+def _differences(existing: Any, new: Any, path: str = "") -> list[str]:
+    """'key.sub: existing X, this run Y' for every leaf that differs (the shard list summarised)."""
+    if isinstance(existing, dict) and isinstance(new, dict) and path != "shards":
+        return [
+            line
+            for key in sorted(set(existing) | set(new), key=str)
+            for line in _differences(existing.get(key), new.get(key), f"{path}.{key}".lstrip("."))
+        ]
+    if existing == new:
+        return []
+    return [f"{path}: existing {_short(existing)}, this run {_short(new)}"]
+
+
+def _short(value: Any, limit: int = 300) -> str:
+    text = json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _write_shard(out_dir: Path, name: str, tensors: dict[str, Tensor], samples) -> None:
+    # One metadata key only: safetensors writes the metadata map in hash order, so two keys
+    # would make identical shards differ byte for byte between runs (the version is in plan.json).
+    data = save(tensors, metadata={"format": "pt"})
+    write_bytes_atomic(out_dir / f"{name}.safetensors", data)
+    sidecar = {
+        "sample_ids": [s.id for s in samples],
+        "num_tokens": int(tensors["input_ids"].numel()),
+        "offsets": tensors["offsets"].tolist(),
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+    write_json_atomic(out_dir / f"{name}.json", sidecar)
+
+
+def _sidecar_if_done(out_dir: Path, name: str) -> dict[str, Any] | None:
+    """The shard's sidecar if the shard is complete: the sidecar is written after the shard's
+    atomic rename, so its presence plus a matching file size means the shard is whole."""
+    sidecar_path, shard_path = out_dir / f"{name}.json", out_dir / f"{name}.safetensors"
+    if not sidecar_path.is_file() or not shard_path.is_file():
+        return None
+    sidecar = _read_json(sidecar_path)
+    return sidecar if shard_path.stat().st_size == sidecar["bytes"] else None
+
+
+def _check_checksum(path: Path, shard: dict[str, Any]) -> None:
+    if not path.is_file():
+        raise CacheError(f"{path}: missing")
+    if path.stat().st_size != shard["bytes"]:
+        raise CacheError(
+            f"{path}: {path.stat().st_size} bytes, the manifest says {shard['bytes']} (truncated?)"
+        )
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    if digest.hexdigest() != shard["sha256"]:
+        raise CacheError(f"{path}: SHA-256 does not match the manifest (corrupt)")
+
+
+def _check_shapes(handle, shard: dict[str, Any], fields: dict[str, Any], hidden_size: int) -> None:
+    tokens = shard["num_tokens"]
+    expected = {
+        "input_ids": [tokens],
+        "loss_mask": [tokens],
+        "offsets": [shard["num_samples"] + 1],
+        "hidden": [tokens, hidden_size],
+    }
+    if fields["aux_layer_ids"]:
+        expected["aux"] = [tokens, len(fields["aux_layer_ids"]) * hidden_size]
+    if fields["top_k"]:
+        expected["topk_ids"] = expected["topk_probs"] = [tokens, fields["top_k"]]
+    names = handle.keys()  # safe_open handles are not iterable
+    actual = {name: handle.get_slice(name).get_shape() for name in names}
+    if actual != expected:
+        raise CacheError(f"{shard['name']}.safetensors: tensors {actual}, expected {expected}")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise CacheError(f"{path}: not valid JSON ({error})") from error
+    except FileNotFoundError as error:
+        raise CacheError(f"{path}: not found") from error

@@ -1,0 +1,78 @@
+"""``specdraft-cache``: target features for one split of a conversation source, on disk.
+
+specdraft-cache                                       # SmolLM2 over bundled ShareGPT (train split)
+specdraft-cache limit=200 aux_layers=true top_k=10    # first 200 conversations, EAGLE-3 + HASS fields
+specdraft-cache rank=1 world_size=4                   # this machine's quarter of the shards
+specdraft-cache mode=validate out_dir=outputs/features/…
+"""
+
+from __future__ import annotations
+
+import logging
+
+import hydra
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from specdraft.data.cache import StoredFields, finalize_manifest, validate_cache, write_cache
+from specdraft.data.chat import tokenize_conversations
+from specdraft.data.conversations import split_conversations
+
+log = logging.getLogger(__name__)
+
+
+@hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="cache")
+def main(cfg: DictConfig) -> None:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.mode == "validate":
+        finalize_manifest(cfg.out_dir)
+        manifest = validate_cache(cfg.out_dir)
+        print(
+            f"{cfg.out_dir}: {len(manifest['shards'])} shards, {manifest['num_samples']} samples, "
+            f"{manifest['num_tokens']} tokens: all valid"
+        )
+        return
+    if cfg.mode != "write":
+        raise ValueError(f"mode must be 'write' or 'validate', got {cfg.mode!r}")
+    if cfg.split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {cfg.split!r}")
+
+    target = instantiate(cfg.target)
+    source = instantiate(cfg.data.source)
+    train, heldout = split_conversations(source.conversations, cfg.data.heldout_fraction, cfg.data.split_seed)
+    conversations = (train if cfg.split == "train" else heldout)[: cfg.limit]
+    samples, token_report = tokenize_conversations(
+        target.tokenizer, conversations, cfg.data.max_length, cfg.progress
+    )
+
+    fields = StoredFields(tuple(target.spec.aux_layer_ids) if cfg.aux_layers else (), cfg.top_k)
+    description = {
+        "data": OmegaConf.to_container(cfg.data, resolve=True),
+        "split": cfg.split,
+        "limit": cfg.limit,
+    }
+    manifest = write_cache(
+        target,
+        samples,
+        cfg.out_dir,
+        fields,
+        description,
+        cfg.shard_tokens,
+        cfg.batch_tokens,
+        int(cfg.rank),
+        int(cfg.world_size),
+        cfg.progress,
+    )
+    if manifest is None:
+        print(f"rank {cfg.rank}: shards written to {cfg.out_dir}; other ranks still have shards to write")
+    else:
+        print(
+            f"{cfg.out_dir}: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens "
+            f"({token_report.loss_tokens} assistant) in {len(manifest['shards'])} shards"
+        )
+
+
+if __name__ == "__main__":
+    main()
