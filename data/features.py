@@ -33,6 +33,9 @@ class TokenBatch:
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
 
+    def to(self, device: torch.device | str) -> TokenBatch:
+        return TokenBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.loss_mask)))
+
 
 @dataclass
 class FeatureBatch:
@@ -44,6 +47,8 @@ class FeatureBatch:
     logits      B×T×V      fp32 target logits (None unless requested)
     topk_ids    B×T×K      the target's K most likely next tokens (None unless top_k > 0)
     topk_probs  B×T×K      their fp32 probabilities under the full softmax
+    input_hidden B×T×H     the features the head reads when they differ from ``hidden`` (EAGLE's
+                           training noise); ``hidden`` stays the clean regression target
     All feature tensors are zero at padded positions.
     """
 
@@ -55,6 +60,12 @@ class FeatureBatch:
     logits: Tensor | None = None
     topk_ids: Tensor | None = None
     topk_probs: Tensor | None = None
+    input_hidden: Tensor | None = None
+
+    def to(self, device: torch.device | str) -> FeatureBatch:
+        return FeatureBatch(
+            **{k: v.to(device) if isinstance(v, Tensor) else v for k, v in vars(self).items()}
+        )
 
 
 def collate(samples: Sequence[TokenizedConversation], pad_token_id: int) -> TokenBatch:

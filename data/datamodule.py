@@ -1,0 +1,224 @@
+"""The DataModule: FeatureBatches for training, from the feature cache or computed online.
+
+``mode="cached"`` reads two caches written by ``specdraft-cache`` (``split=train`` and
+``split=heldout``). ``mode="online"`` renders the conversation source, splits it the same way,
+and runs the frozen target on each batch after it reached the training device
+(``on_after_batch_transfer``, in the main process): the target never enters a DataLoader worker,
+the LightningModule, or a checkpoint. Both modes batch the same samples in the same
+length-bucketed order, so a run can switch mode without changing what it sees.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from functools import partial
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from specdraft.data.cache import FeatureCache, StoredFields, collate_cached, pad_token_id
+from specdraft.data.chat import TokenizedConversation, tokenize_conversations
+from specdraft.data.conversations import ConversationSet, split_conversations
+from specdraft.data.features import FeatureBatch, TokenBatch, collate, extract_features
+from specdraft.data.target import Target
+
+
+class UniformFeatureNoise:
+    """EAGLE's training noise on the features the head reads: ``U(-amplitude, amplitude)`` added
+    at real tokens. The clean ``hidden`` is kept as the regression target."""
+
+    def __init__(self, amplitude: float = 0.1) -> None:
+        if amplitude < 0:
+            raise ValueError(f"noise amplitude must be >= 0, got {amplitude}")
+        self.amplitude = amplitude
+
+    def __call__(self, features: FeatureBatch, generator: torch.Generator | None = None) -> FeatureBatch:
+        hidden = features.hidden
+        noise = torch.rand(hidden.shape, generator=generator, device=hidden.device, dtype=torch.float32)
+        noise = (noise * 2 - 1) * self.amplitude * features.attention_mask.unsqueeze(-1)
+        features.input_hidden = (hidden.float() + noise).to(hidden.dtype)
+        return features
+
+
+class LengthBucketBatchSampler(Sampler[list[int]]):
+    """Batches of similar-length samples with ``batch size × longest length <= max_batch_tokens``.
+
+    Each epoch: a seeded shuffle, a stable sort by length (so equal lengths mix differently every
+    epoch), greedy packing, then a seeded shuffle of the batch order. With ``num_replicas > 1``
+    every replica gets the same number of batches (the surplus batches of an epoch are dropped).
+    Call :meth:`set_epoch` before each epoch (Lightning does).
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        max_batch_tokens: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        too_long = [n for n in lengths if n > max_batch_tokens]
+        if too_long:
+            raise ValueError(
+                f"{len(too_long)} samples are longer than max_batch_tokens={max_batch_tokens} "
+                f"(longest {max(too_long)}); raise max_batch_tokens or lower data.max_length"
+            )
+        self.lengths, self.max_batch_tokens = list(lengths), max_batch_tokens
+        self.shuffle, self.seed, self.num_replicas, self.rank = shuffle, seed, num_replicas, rank
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _all_batches(self) -> list[list[int]]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = (
+            torch.randperm(len(self.lengths), generator=generator).tolist()
+            if self.shuffle
+            else range(len(self.lengths))
+        )
+        order = sorted(order, key=lambda i: self.lengths[i])
+        batches: list[list[int]] = []
+        for index in order:  # ascending lengths: the newest sample is the batch's longest
+            if batches and (len(batches[-1]) + 1) * self.lengths[index] <= self.max_batch_tokens:
+                batches[-1].append(index)
+            else:
+                batches.append([index])
+        if self.shuffle:
+            batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+        usable = len(batches) - len(batches) % self.num_replicas if self.num_replicas > 1 else len(batches)
+        return batches[:usable]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self._all_batches()[self.rank :: self.num_replicas])
+
+    def __len__(self) -> int:
+        return math.floor(len(self._all_batches()) / self.num_replicas)
+
+
+class TokenizedDataset(Dataset):
+    def __init__(self, samples: Sequence[TokenizedConversation]) -> None:
+        self.samples = list(samples)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> TokenizedConversation:
+        return self.samples[index]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(s.input_ids) for s in self.samples]
+
+
+class FeatureDataModule(L.LightningDataModule):
+    """Training / held-out FeatureBatches, ``cached`` or ``online``, for ``target``.
+
+    cached: ``train_cache`` and ``val_cache`` directories, checked against the target's spec and
+            the fields asked for (``aux_layers``: the target's EAGLE-3 taps; ``top_k``).
+    online: ``conversations`` (a reader's ConversationSet) split by ``heldout_fraction`` /
+            ``split_seed`` and rendered to ``max_length`` tokens.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        target: Target,
+        aux_layers: bool = False,
+        top_k: int = 0,
+        train_cache: str | None = None,
+        val_cache: str | None = None,
+        conversations: ConversationSet | None = None,
+        heldout_fraction: float = 0.02,
+        split_seed: int = 0,
+        max_length: int = 2048,
+        max_batch_tokens: int = 8192,
+        num_workers: int = 0,
+        noise: UniformFeatureNoise | None = None,
+        seed: int = 0,
+        verify_cache: bool = True,
+        progress: bool = True,
+    ) -> None:
+        super().__init__()
+        if mode not in ("cached", "online"):
+            raise ValueError(f"data mode must be 'cached' or 'online', got {mode!r}")
+        if mode == "cached" and not (train_cache and val_cache):
+            raise ValueError(
+                "mode=cached needs train_cache and val_cache (directories written by specdraft-cache)"
+            )
+        if mode == "online" and conversations is None:
+            raise ValueError("mode=online needs a conversation source")
+        if aux_layers and not target.spec.aux_layer_ids:
+            raise ValueError(f"aux_layers=true but target {target.spec.name} has no aux_layer_ids configured")
+        self.mode, self.target = mode, target
+        self.fields = StoredFields(target.spec.aux_layer_ids if aux_layers else (), top_k)
+        self.train_cache, self.val_cache, self.conversations = train_cache, val_cache, conversations
+        self.heldout_fraction, self.split_seed, self.max_length = heldout_fraction, split_seed, max_length
+        self.max_batch_tokens, self.num_workers, self.noise, self.seed = (
+            max_batch_tokens,
+            num_workers,
+            noise,
+            seed,
+        )
+        self.verify_cache, self.progress = verify_cache, progress
+        self.datasets: dict[str, Dataset] = {}
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.datasets:
+            return
+        self.pad_id = pad_token_id(self.target.spec)
+        if self.mode == "cached":
+            for split, directory in (("train", self.train_cache), ("val", self.val_cache)):
+                self.datasets[split] = FeatureCache(
+                    directory, self.target.spec, self.fields, verify=self.verify_cache
+                )
+            return
+        train, heldout = split_conversations(
+            self.conversations.conversations, self.heldout_fraction, self.split_seed
+        )
+        for split, conversations in (("train", train), ("val", heldout)):
+            samples, _ = tokenize_conversations(
+                self.target.tokenizer, conversations, self.max_length, self.progress
+            )
+            self.datasets[split] = TokenizedDataset(samples)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", shuffle=False)
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        dataset = self.datasets[split]
+        trainer = self.trainer
+        sampler = LengthBucketBatchSampler(
+            dataset.lengths,
+            self.max_batch_tokens,
+            shuffle=shuffle,
+            seed=self.seed,
+            num_replicas=trainer.world_size if trainer else 1,
+            rank=trainer.global_rank if trainer else 0,
+        )
+        collate_fn = partial(collate_cached if self.mode == "cached" else collate, pad_token_id=self.pad_id)
+        return DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=collate_fn,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def on_after_batch_transfer(self, batch: TokenBatch | FeatureBatch, dataloader_idx: int) -> FeatureBatch:
+        training = self.trainer is not None and self.trainer.training
+        return self.features_for(batch, training)
+
+    def features_for(self, batch: TokenBatch | FeatureBatch, training: bool) -> FeatureBatch:
+        """Online: run the target on the batch; then, when training, apply the noise transform."""
+        if isinstance(batch, TokenBatch):
+            batch = extract_features(self.target, batch, self.fields.aux_layer_ids, top_k=self.fields.top_k)
+        if training and self.noise is not None:
+            batch = self.noise(batch)
+        return batch
