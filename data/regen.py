@@ -1,0 +1,311 @@
+"""Regenerating the assistant turns with the target itself (self-distillation data).
+
+Heads trained on the target's own answers accept far more of its drafts (Medusa-2, EAGLE-3).
+Every user turn is re-answered in context: the history a turn is answered in holds the
+regenerated answers before it. Two backends produce the answers:
+
+* :class:`TargetResponder` — batched ``generate`` with the built-in target (left padding,
+  prompts of similar length batched together);
+* :class:`OpenAIResponder` — any OpenAI-compatible ``/chat/completions`` server (vLLM, SGLang).
+
+Output is OpenAI-style JSONL (``{"id", "messages"}``), which :func:`read_jsonl` reads back.
+Conversations are processed in fixed chunks in source order; each finished chunk is appended
+with one write + fsync, then ``<out>.progress.json`` records the chunks done and the byte size
+they end at. Sampling is seeded per (seed, chunk, turn, batch), so a run killed at any moment and
+restarted writes exactly what an uninterrupted run writes: on restart the output is cut back to
+the recorded size and the interrupted chunk is generated again. ``<out>.meta.json`` holds the
+settings; a restart with other settings is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from specdraft.data.atomic import write_json_atomic
+from specdraft.data.conversations import Conversation
+from specdraft.data.target import Target
+
+log = logging.getLogger(__name__)
+
+History = list[dict[str, str]]
+REGEN_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 512
+    seed: int = 0
+
+
+class TargetResponder:
+    """Answers with the built-in target: batched, left-padded ``generate``."""
+
+    def __init__(
+        self,
+        target: Target,
+        settings: GenerationSettings,
+        batch_size: int = 16,
+        max_prompt_tokens: int = 2048,
+    ) -> None:
+        self.target, self.settings = target, settings
+        self.batch_size = batch_size
+        self.max_prompt_tokens = min(max_prompt_tokens, target.spec.max_position_embeddings)
+        self.description = {
+            "backend": "target",
+            "target": target.spec.name,
+            "revision": target.spec.revision,
+            "dtype": target.spec.dtype,
+        }
+
+    def prompt_ids(self, history: History) -> list[int] | None:
+        """Token ids of the history + generation prompt, or None if too long to answer."""
+        ids = self.target.tokenizer.apply_chat_template(
+            history, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        return ids if len(ids) + self.settings.max_new_tokens <= self.max_prompt_tokens else None
+
+    @torch.no_grad()
+    def __call__(self, histories: Sequence[History], seed: int) -> list[str | None]:
+        """One answer per history (None where the prompt is too long). Prompts are batched by
+        length; batch b is sampled with seed ``seed + b``."""
+        prompts = [self.prompt_ids(h) for h in histories]
+        order = sorted(
+            (i for i, p in enumerate(prompts) if p is not None), key=lambda i: (len(prompts[i]), i)
+        )
+        answers: list[str | None] = [None] * len(histories)
+        spec, settings = self.target.spec, self.settings
+        pad_id = spec.pad_token_id if spec.pad_token_id is not None else spec.eos_token_ids[0]
+        for batch_number, start in enumerate(range(0, len(order), self.batch_size)):
+            indices = order[start : start + self.batch_size]
+            width = max(len(prompts[i]) for i in indices)
+            input_ids = torch.full((len(indices), width), pad_id, dtype=torch.long)
+            attention_mask = torch.zeros_like(input_ids)
+            for row, index in enumerate(indices):  # left padding: every prompt ends at the last column
+                input_ids[row, width - len(prompts[index]) :] = torch.tensor(prompts[index])
+                attention_mask[row, width - len(prompts[index]) :] = 1
+            torch.manual_seed(seed + batch_number)
+            sampling = (
+                {"do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p}
+                if settings.temperature > 0
+                else {"do_sample": False}
+            )
+            output = self.target.model.generate(
+                input_ids.to(self.target.device),
+                attention_mask=attention_mask.to(self.target.device),
+                max_new_tokens=settings.max_new_tokens,
+                eos_token_id=list(spec.eos_token_ids),
+                pad_token_id=pad_id,
+                **sampling,
+            )
+            for row, index in enumerate(indices):
+                answers[index] = self.target.tokenizer.decode(
+                    output[row, width:], skip_special_tokens=True
+                ).strip()
+        return answers
+
+
+class OpenAIResponder:
+    """Answers through an OpenAI-compatible server (``base_url`` like ``http://host:8000/v1``)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        settings: GenerationSettings,
+        api_key: str | None = None,
+        concurrency: int = 8,
+        timeout: float = 120.0,
+        max_retries: int = 3,
+    ) -> None:
+        if not base_url:
+            raise ValueError("openai backend: base_url is required (e.g. http://localhost:8000/v1)")
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model, self.settings, self.api_key = model, settings, api_key
+        self.concurrency, self.timeout, self.max_retries = concurrency, timeout, max_retries
+        self.description = {"backend": "openai", "url": self.url, "model": model}
+
+    def __call__(self, histories: Sequence[History], seed: int) -> list[str | None]:
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            return list(pool.map(lambda item: self._complete(item[1], seed + item[0]), enumerate(histories)))
+
+    def _complete(self, history: History, seed: int) -> str | None:
+        body = json.dumps(
+            {
+                "model": self.model,
+                "messages": history,
+                "temperature": self.settings.temperature,
+                "top_p": self.settings.top_p,
+                "max_tokens": self.settings.max_new_tokens,
+                "seed": seed,
+            }
+        ).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        for attempt in range(self.max_retries + 1):
+            try:
+                request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    reply = json.loads(response.read())
+                return reply["choices"][0]["message"]["content"].strip()
+            except urllib.error.HTTPError as error:
+                if error.code == 400:  # typically: the prompt exceeds the server's context
+                    log.warning("server refused a prompt (HTTP 400): %s", error.read()[:200])
+                    return None
+                if error.code < 500 or attempt == self.max_retries:
+                    raise RuntimeError(f"{self.url}: HTTP {error.code} {error.reason}") from error
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+                if attempt == self.max_retries:
+                    raise RuntimeError(f"{self.url}: {error}") from error
+            time.sleep(2**attempt)
+        return None
+
+
+@dataclass
+class RegenReport:
+    conversations: int = 0
+    written: int = 0
+    turns_answered: int = 0
+    turns_dropped: int = 0  # a prompt too long or an empty answer ends its conversation there
+    skipped_conversations: int = 0
+    generated_characters: int = 0
+    seconds: float = 0.0
+
+
+def regenerate(
+    conversations: Sequence[Conversation],
+    responder: Callable[[Sequence[History], int], list[str | None]],
+    out_path: str | Path,
+    settings: GenerationSettings,
+    source: dict[str, Any],
+    chunk_size: int = 64,
+    progress: bool = True,
+) -> RegenReport:
+    """Regenerate every assistant turn of ``conversations`` into ``out_path`` (resumable)."""
+    out_path = Path(out_path)
+    header = {
+        "format_version": REGEN_FORMAT_VERSION,
+        "responder": responder.description,
+        "settings": asdict(settings),
+        "source": source,
+        "chunk_size": chunk_size,
+        "conversation_ids_sha256": hashlib.sha256(
+            "\n".join(c.id for c in conversations).encode()
+        ).hexdigest(),
+    }
+    _check_or_write_header(out_path.with_name(out_path.name + ".meta.json"), header)
+    chunks = [conversations[i : i + chunk_size] for i in range(0, len(conversations), chunk_size)]
+    progress_path = out_path.with_name(out_path.name + ".progress.json")
+    position = _resume_point(out_path, progress_path)
+
+    report = RegenReport(conversations=len(conversations))
+    todo = range(position["chunks_done"], len(chunks))
+    total_turns = sum(1 for i in todo for c in chunks[i] for m in c.messages if m.role == "user")
+    started = time.perf_counter()
+    with tqdm(total=total_turns, desc="regenerate", unit="turn", disable=not progress) as bar:
+        for chunk_index in todo:
+            records = _regenerate_chunk(
+                chunks[chunk_index], responder, settings.seed, chunk_index, report, bar
+            )
+            lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+            _append_durably(out_path, lines)
+            position = {"chunks_done": chunk_index + 1, "bytes": position["bytes"] + len(lines)}
+            write_json_atomic(progress_path, position)
+            report.written += len(records)
+            elapsed = time.perf_counter() - started
+            bar.set_postfix(chars_per_s=f"{report.generated_characters / max(elapsed, 1e-9):.0f}")
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _regenerate_chunk(chunk, responder, seed: int, chunk_index: int, report: RegenReport, bar) -> list[dict]:
+    histories: list[History] = [
+        [{"role": "system", "content": c.messages[0].content}] if c.messages[0].role == "system" else []
+        for c in chunk
+    ]
+    user_turns = [[m.content for m in c.messages if m.role == "user"] for c in chunk]
+    alive = [True] * len(chunk)
+    for turn in range(max(len(t) for t in user_turns)):
+        asking = [i for i in range(len(chunk)) if alive[i] and turn < len(user_turns[i])]
+        if not asking:
+            break
+        for i in asking:
+            histories[i].append({"role": "user", "content": user_turns[i][turn]})
+        # one seed stream per (chunk, turn): the batches within get seed + batch number
+        turn_seed = seed * 1_000_003 + chunk_index * 1_009 + turn * 100_003
+        answers = responder([histories[i] for i in asking], turn_seed)
+        for i, answer in zip(asking, answers, strict=True):
+            if answer:
+                histories[i].append({"role": "assistant", "content": answer})
+                report.turns_answered += 1
+                report.generated_characters += len(answer)
+            else:
+                histories[i].pop()  # the unanswered user turn
+                alive[i] = False
+                report.turns_dropped += len(user_turns[i]) - turn
+        bar.update(len(asking))
+    records = []
+    for conversation, history in zip(chunk, histories, strict=True):
+        if any(m["role"] == "assistant" for m in history):
+            records.append({"id": conversation.id, "messages": history})
+        else:
+            report.skipped_conversations += 1
+    return records
+
+
+def _check_or_write_header(path: Path, header: dict[str, Any]) -> None:
+    header = json.loads(json.dumps(header))
+    if path.is_file():
+        existing = json.loads(path.read_text())
+        if existing != header:
+            keys = sorted(k for k in header if existing.get(k) != header[k])
+            details = "; ".join(f"{k}: existing {existing.get(k)!r}, this run {header[k]!r}" for k in keys)
+            raise ValueError(
+                f"{path} belongs to a regeneration with other settings ({details}); "
+                "choose another out_path or remove the old output"
+            )
+        return
+    write_json_atomic(path, header)
+
+
+def _resume_point(out_path: Path, progress_path: Path) -> dict[str, int]:
+    """Chunks already done, with the output cut back to exactly their bytes (a kill after an
+    append but before the progress update leaves a chunk that is generated again)."""
+    progress = (
+        json.loads(progress_path.read_text()) if progress_path.is_file() else {"chunks_done": 0, "bytes": 0}
+    )
+    size = out_path.stat().st_size if out_path.is_file() else 0
+    if size < progress["bytes"]:
+        raise ValueError(
+            f"{out_path} has {size} bytes but {progress_path} records {progress['bytes']}: "
+            "the output was modified; remove both files to start over"
+        )
+    if size > progress["bytes"]:
+        log.warning("%s: removing %d bytes of an interrupted chunk", out_path, size - progress["bytes"])
+        with out_path.open("r+b") as handle:
+            handle.truncate(progress["bytes"])
+            os.fsync(handle.fileno())
+    return progress
+
+
+def _append_durably(path: Path, data: bytes) -> None:
+    with path.open("ab") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())

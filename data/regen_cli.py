@@ -1,0 +1,67 @@
+"""``specdraft-regen``: the target's own answers to a conversation split, as JSONL.
+
+specdraft-regen limit=1000                             # SmolLM2 re-answers 1,000 ShareGPT conversations
+specdraft-regen generation.temperature=0.7 generation.top_p=0.9
+specdraft-regen backend=openai openai.base_url=http://localhost:8000/v1 openai.model=my-model
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from specdraft.data.conversations import split_conversations
+from specdraft.data.regen import GenerationSettings, OpenAIResponder, TargetResponder, regenerate
+
+
+@hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="regen")
+def main(cfg: DictConfig) -> None:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    settings = GenerationSettings(**cfg.generation)
+    if cfg.backend == "target":
+        responder = TargetResponder(instantiate(cfg.target), settings, cfg.batch_size, cfg.max_prompt_tokens)
+    elif cfg.backend == "openai":
+        api_key = os.environ.get(cfg.openai.api_key_env) if cfg.openai.api_key_env else None
+        responder = OpenAIResponder(
+            cfg.openai.base_url,
+            cfg.openai.model,
+            settings,
+            api_key,
+            cfg.openai.concurrency,
+            cfg.openai.timeout,
+            cfg.openai.max_retries,
+        )
+    else:
+        raise ValueError(f"backend must be 'target' or 'openai', got {cfg.backend!r}")
+
+    source = instantiate(cfg.data.source)
+    train, heldout = split_conversations(source.conversations, cfg.data.heldout_fraction, cfg.data.split_seed)
+    splits = {"train": train, "heldout": heldout, "all": source.conversations}
+    if cfg.split not in splits:
+        raise ValueError(f"split must be one of {sorted(splits)}, got {cfg.split!r}")
+    conversations = splits[cfg.split][: cfg.limit]
+
+    Path(cfg.out_path).parent.mkdir(parents=True, exist_ok=True)
+    description = {
+        "data": OmegaConf.to_container(cfg.data, resolve=True),
+        "split": cfg.split,
+        "limit": cfg.limit,
+    }
+    report = regenerate(
+        conversations, responder, cfg.out_path, settings, description, cfg.chunk_size, cfg.progress
+    )
+    print(
+        f"{cfg.out_path}: {report.written} conversations written this run ({report.turns_answered} turns "
+        f"answered, {report.turns_dropped} dropped, {report.generated_characters} characters in "
+        f"{report.seconds:.0f} s)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
+
+import pytest
+import torch
+
+from specdraft.data.conversations import Conversation, Message, read_jsonl
+from specdraft.data.regen import GenerationSettings, OpenAIResponder, TargetResponder, regenerate
+from specdraft.data.tiny import tiny_random_target
+
+
+def conversations(count=9):
+    return [
+        Conversation(
+            f"r{i}",
+            (
+                Message("user", f"question {i}"),
+                Message("assistant", "old answer"),
+                Message("user", f"follow-up {i}"),
+                Message("assistant", "old again"),
+            ),
+        )
+        for i in range(count)
+    ]
+
+
+class RecordingResponder:
+    description: ClassVar[dict] = {"backend": "fake"}
+
+    def __init__(
+        self, fail_after_calls=None, answer=lambda history: f"new answer to {history[-1]['content']}"
+    ):
+        self.calls, self.histories, self.fail_after_calls, self.answer = 0, [], fail_after_calls, answer
+
+    def __call__(self, histories, seed):
+        if self.fail_after_calls is not None and self.calls == self.fail_after_calls:
+            raise KeyboardInterrupt
+        self.calls += 1
+        self.histories += [list(h) for h in histories]
+        return [self.answer(h) for h in histories]
+
+
+SETTINGS = GenerationSettings(temperature=0.8, top_p=0.9, max_new_tokens=12, seed=7)
+
+
+def run(responder, path, convs=None, **kwargs):
+    return regenerate(
+        convs or conversations(),
+        responder,
+        path,
+        SETTINGS,
+        {"data": "test"},
+        chunk_size=2,
+        progress=False,
+        **kwargs,
+    )
+
+
+def test_every_turn_is_answered_in_the_regenerated_context(tmp_path):
+    responder = RecordingResponder()
+    run(responder, tmp_path / "out.jsonl")
+    second_turn = [h for h in responder.histories if len(h) == 3]
+    assert second_turn[0][1] == {"role": "assistant", "content": "new answer to question 0"}
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert records[0]["messages"][3] == {"role": "assistant", "content": "new answer to follow-up 0"}
+    result = read_jsonl(tmp_path / "out.jsonl")
+    assert len(result.conversations) == 9 and not result.report.skipped
+
+
+def test_unanswerable_turns_end_the_conversation(tmp_path):
+    responder = RecordingResponder(
+        answer=lambda h: None if "follow-up" in h[-1]["content"] or h[-1]["content"] == "question 1" else "ok"
+    )
+    report = run(responder, tmp_path / "out.jsonl")
+    records = {
+        json.loads(line)["id"]: json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()
+    }
+    assert "r1" not in records and report.skipped_conversations == 1
+    assert [m["role"] for m in records["r0"]["messages"]] == ["user", "assistant"]
+    assert report.turns_dropped == 8 + 2
+
+
+class CrashingTargetResponder(TargetResponder):
+    """Dies (like a kill) on its fifth call."""
+
+    calls = 0
+
+    def __call__(self, histories, seed):
+        if self.calls == 4:
+            raise KeyboardInterrupt
+        self.calls += 1
+        return super().__call__(histories, seed)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_resume_after_a_crash_writes_what_an_uninterrupted_run_writes(tmp_path, temperature):
+    target = tiny_random_target(initializer_range=0.5)
+    settings = GenerationSettings(temperature=temperature, top_p=0.9, max_new_tokens=8, seed=3)
+
+    def go(path, responder):
+        return regenerate(conversations(7), responder, path, settings, {"d": 1}, chunk_size=2, progress=False)
+
+    go(tmp_path / "reference.jsonl", TargetResponder(target, settings, batch_size=3))
+    with pytest.raises(KeyboardInterrupt):
+        go(tmp_path / "resumed.jsonl", CrashingTargetResponder(target, settings, batch_size=3))
+    # and a kill between an append and its progress record: junk past the recorded size
+    with (tmp_path / "resumed.jsonl").open("ab") as handle:
+        handle.write(b'{"id": "r4", "messages": [{"role": "user", "con')
+    go(tmp_path / "resumed.jsonl", TargetResponder(target, settings, batch_size=3))
+    assert (tmp_path / "resumed.jsonl").read_bytes() == (tmp_path / "reference.jsonl").read_bytes()
+
+
+def test_batched_left_padded_answers_equal_single_prompt_answers(tmp_path):
+    target = tiny_random_target(dtype="float64", initializer_range=0.5)
+    settings = GenerationSettings(max_new_tokens=10)
+    histories = [[{"role": "user", "content": "hi" * n}] for n in (1, 7, 3, 12)]
+    batched = TargetResponder(target, settings, batch_size=4)(histories, seed=0)
+    single = [TargetResponder(target, settings, batch_size=1)([h], seed=0)[0] for h in histories]
+    assert batched == single
+    assert len(set(batched)) > 1
+
+
+def test_other_settings_on_resume_are_refused(tmp_path):
+    run(RecordingResponder(), tmp_path / "out.jsonl")
+    before = (tmp_path / "out.jsonl").read_bytes()
+    with pytest.raises(ValueError, match=r"other settings \(settings: existing .*'temperature': 0.8"):
+        regenerate(
+            conversations(),
+            RecordingResponder(),
+            tmp_path / "out.jsonl",
+            GenerationSettings(),
+            {"data": "test"},
+            chunk_size=2,
+            progress=False,
+        )
+    assert (tmp_path / "out.jsonl").read_bytes() == before
+
+
+def test_too_long_prompts_are_not_sent_to_the_target():
+    target = tiny_random_target()
+    responder = TargetResponder(target, GenerationSettings(max_new_tokens=8), max_prompt_tokens=80)
+    answers = responder(
+        [[{"role": "user", "content": "x" * 100}], [{"role": "user", "content": "y"}]], seed=0
+    )
+    assert answers[0] is None and answers[1] is not None
+
+
+class FakeOpenAIServer(BaseHTTPRequestHandler):
+    requests: ClassVar[list] = []
+    fail_first: ClassVar[int] = 0
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        FakeOpenAIServer.requests.append((self.path, body, self.headers.get("Authorization")))
+        if FakeOpenAIServer.fail_first > 0:
+            FakeOpenAIServer.fail_first -= 1
+            self.send_response(503)
+            self.end_headers()
+            return
+        reply = {
+            "choices": [
+                {"message": {"role": "assistant", "content": f" served: {body['messages'][-1]['content']}"}}
+            ]
+        }
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_openai_compatible_backend(tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAIServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        FakeOpenAIServer.requests, FakeOpenAIServer.fail_first = [], 1
+        base_url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        responder = OpenAIResponder(
+            base_url, "served-model", SETTINGS, api_key="secret", concurrency=2, max_retries=2
+        )
+        run(responder, tmp_path / "out.jsonl", convs=conversations(3))
+    finally:
+        server.shutdown()
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert records[0]["messages"][1]["content"] == "served: question 0"
+    path, body, auth = FakeOpenAIServer.requests[-1]
+    assert path == "/v1/chat/completions" and auth == "Bearer secret"
+    assert (body["model"], body["temperature"], body["top_p"], body["max_tokens"]) == (
+        "served-model",
+        0.8,
+        0.9,
+        12,
+    )
+    assert len(FakeOpenAIServer.requests) == 6 + 1  # 3 conversations × 2 turns + one retried 503
+
+
+def test_openai_backend_needs_a_url():
+    with pytest.raises(ValueError, match="base_url is required"):
+        OpenAIResponder("", "m", SETTINGS)
+
+
+def test_regenerated_output_feeds_the_training_data_path(tmp_path, tiny_target):
+    """read back → tokenize → cache → FeatureCache: the path a head trains from."""
+    from specdraft.data.cache import FeatureCache, StoredFields, write_cache
+    from specdraft.data.chat import tokenize_conversations
+
+    run(RecordingResponder(), tmp_path / "out.jsonl")
+    samples, report = tokenize_conversations(
+        tiny_target.tokenizer, read_jsonl(tmp_path / "out.jsonl").conversations, 512, progress=False
+    )
+    assert report.kept == 9 and report.loss_tokens > 0
+    write_cache(tiny_target, samples, tmp_path / "cache", StoredFields(), {"d": "regen"}, progress=False)
+    assert len(FeatureCache(tmp_path / "cache")) == 9
+    assert torch.is_tensor(FeatureCache(tmp_path / "cache")[0]["hidden"])
