@@ -72,6 +72,7 @@ class TargetResponder:
             "revision": target.spec.revision,
             "dtype": target.spec.dtype,
         }
+        self.generated_tokens = 0  # running count, for throughput reports
 
     def prompt_ids(self, history: History) -> list[int] | None:
         """Token ids of the history + generation prompt, or None if too long to answer."""
@@ -113,10 +114,12 @@ class TargetResponder:
                 pad_token_id=pad_id,
                 **sampling,
             )
+            new_tokens = output[:, width:]
             for row, index in enumerate(indices):
                 answers[index] = self.target.tokenizer.decode(
-                    output[row, width:], skip_special_tokens=True
+                    new_tokens[row], skip_special_tokens=True
                 ).strip()
+            self.generated_tokens += int((new_tokens != pad_id).sum())  # generate pads rows that ended early
         return answers
 
 
@@ -139,6 +142,7 @@ class OpenAIResponder:
         self.model, self.settings, self.api_key = model, settings, api_key
         self.concurrency, self.timeout, self.max_retries = concurrency, timeout, max_retries
         self.description = {"backend": "openai", "url": self.url, "model": model}
+        self.generated_tokens = 0  # from the servers' usage.completion_tokens
 
     def __call__(self, histories: Sequence[History], seed: int) -> list[str | None]:
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
@@ -163,6 +167,7 @@ class OpenAIResponder:
                 request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
                     reply = json.loads(response.read())
+                self.generated_tokens += int(reply.get("usage", {}).get("completion_tokens", 0))
                 return reply["choices"][0]["message"]["content"].strip()
             except urllib.error.HTTPError as error:
                 if error.code == 400:  # typically: the prompt exceeds the server's context
@@ -185,6 +190,7 @@ class RegenReport:
     turns_dropped: int = 0  # a prompt too long or an empty answer ends its conversation there
     skipped_conversations: int = 0
     generated_characters: int = 0
+    generated_tokens: int = 0  # as counted by the responder (0 if it cannot count)
     seconds: float = 0.0
 
 
@@ -217,6 +223,7 @@ def regenerate(
     report = RegenReport(conversations=len(conversations))
     todo = range(position["chunks_done"], len(chunks))
     total_turns = sum(1 for i in todo for c in chunks[i] for m in c.messages if m.role == "user")
+    tokens_before = getattr(responder, "generated_tokens", 0)
     started = time.perf_counter()
     with tqdm(total=total_turns, desc="regenerate", unit="turn", disable=not progress) as bar:
         for chunk_index in todo:
@@ -229,8 +236,10 @@ def regenerate(
             write_json_atomic(progress_path, position)
             report.written += len(records)
             elapsed = time.perf_counter() - started
-            bar.set_postfix(chars_per_s=f"{report.generated_characters / max(elapsed, 1e-9):.0f}")
+            tokens = getattr(responder, "generated_tokens", 0) - tokens_before
+            bar.set_postfix(tokens_per_s=f"{tokens / max(elapsed, 1e-9):.0f}")
     report.seconds = time.perf_counter() - started
+    report.generated_tokens = getattr(responder, "generated_tokens", 0) - tokens_before
     return report
 
 
