@@ -98,3 +98,18 @@ def test_prepare_cli_end_to_end_on_the_tiny_target(tmp_path):
     assert report["feature_throughput"]["tokens"] == report["tokenize_sample"]["tokens"]
     assert report["target"]["hidden_size"] == 64
     assert "report:" in result.stdout
+
+
+@pytest.mark.parametrize("preset", ["online", "cached"])
+def test_datamodule_presets_instantiate_with_a_runtime_target(preset, tiny_target):
+    from specdraft.data.conversations import ConversationSet, ReadReport
+    from specdraft.data.datamodule import FeatureDataModule
+
+    cfg = compose_prepare("target=tiny_random", f"+datamodule={preset}")
+    if preset == "cached":
+        cfg.datamodule.train_cache, cfg.datamodule.val_cache = "train_dir", "val_dir"
+    make = instantiate(cfg.datamodule)
+    extra = {"conversations": ConversationSet([], ReadReport("none"))} if preset == "online" else {}
+    module = make(target=tiny_target, **extra)
+    assert isinstance(module, FeatureDataModule)
+    assert module.mode == preset and module.noise.amplitude == 0.1
