@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from specdraft.data.atomic import write_json_atomic
-from specdraft.data.cache import StoredFields, pad_token_id, write_cache
+from specdraft.data.cache import StoredFields, write_cache
 from specdraft.data.chat import TokenizedConversation
-from specdraft.data.features import TokenBatch, collate, extract_features, length_batches
+from specdraft.data.features import TokenBatch, collate, extract_features, length_batches, pad_token_id
 from specdraft.data.target import Target, cpu_has_fast_bf16
 
 

@@ -43,7 +43,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specdraft.data.atomic import write_bytes_atomic, write_json_atomic
 from specdraft.data.chat import TokenizedConversation
-from specdraft.data.features import FeatureBatch, collate, extract_features, length_batches
+from specdraft.data.features import FeatureBatch, collate, extract_features, length_batches, pad_token_id
 from specdraft.data.target import Target
 from specdraft.heads.spec import TargetSpec
 
@@ -216,10 +216,6 @@ def compute_shard(
                 )
         on_batch_tokens(batch.num_tokens)
     return tensors
-
-
-def pad_token_id(spec: TargetSpec) -> int:
-    return spec.pad_token_id if spec.pad_token_id is not None else spec.eos_token_ids[0]
 
 
 def finalize_manifest(out_dir: str | Path) -> dict[str, Any] | None:

@@ -18,10 +18,10 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from specdraft.data.cache import FeatureCache, StoredFields, collate_cached, pad_token_id
+from specdraft.data.cache import FeatureCache, StoredFields, collate_cached
 from specdraft.data.chat import TokenizedConversation, tokenize_conversations
 from specdraft.data.conversations import ConversationSet, split_conversations
-from specdraft.data.features import FeatureBatch, TokenBatch, collate, extract_features
+from specdraft.data.features import FeatureBatch, TokenBatch, collate, extract_features, pad_token_id
 from specdraft.data.target import Target
 
 

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from specdraft.data.chat import TokenizedConversation
 from specdraft.data.target import Target
+from specdraft.heads.spec import TargetSpec
 
 DEFAULT_LM_HEAD_CHUNK_TOKENS = 1024
 
@@ -66,6 +67,11 @@ class FeatureBatch:
         return FeatureBatch(
             **{k: v.to(device) if isinstance(v, Tensor) else v for k, v in vars(self).items()}
         )
+
+
+def pad_token_id(spec: TargetSpec) -> int:
+    """The id right padding uses: the target's pad token, else its primary eos (always masked out)."""
+    return spec.pad_token_id if spec.pad_token_id is not None else spec.eos_token_ids[0]
 
 
 def collate(samples: Sequence[TokenizedConversation], pad_token_id: int) -> TokenBatch:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import hydra
@@ -24,9 +25,9 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from specdraft.data.atomic import write_json_atomic
-from specdraft.data.chat import tokenize_conversations
+from specdraft.data.chat import TokenizedConversation, tokenize_conversations
 from specdraft.data.conversations import split_conversations
-from specdraft.data.features import collate, extract_features, length_batches
+from specdraft.data.features import collate, extract_features, length_batches, pad_token_id
 from specdraft.data.target import Target
 
 log = logging.getLogger(__name__)
@@ -83,13 +84,11 @@ def main(cfg: DictConfig) -> None:
 
 
 def measure_feature_throughput(
-    target: Target, tokenized: list, batch_tokens: int, top_k: int, progress: bool
+    target: Target, tokenized: Sequence[TokenizedConversation], batch_tokens: int, top_k: int, progress: bool
 ) -> dict[str, float]:
     """Run feature extraction over ``tokenized`` in length-bucketed batches; tokens/s excludes padding."""
     batches = length_batches([len(t.input_ids) for t in tokenized], batch_tokens)
-    pad_id = (
-        target.spec.pad_token_id if target.spec.pad_token_id is not None else target.spec.eos_token_ids[0]
-    )
+    pad_id = pad_token_id(target.spec)
     real_tokens = padded_tokens = 0
     seconds = 0.0
     bar = tqdm(

@@ -138,7 +138,7 @@ def load_gguf_target(
     cached = Path(cache_dir).expanduser() / "targets" / f"{gguf_path.stem}-{digest[:16]}"
     if not (cached / "specdraft_cache.json").is_file():
         _dequantise_gguf_to(gguf_path, cached, digest)
-    target = load_hf_target(
+    return load_hf_target(
         str(cached),
         dtype=dtype,
         device=device,
@@ -148,7 +148,6 @@ def load_gguf_target(
         name=name,
         revision=f"gguf-sha256:{digest[:16]}",
     )
-    return target
 
 
 def load_packaged_gguf_target(package: str, gguf_file: str, name: str, **kwargs) -> Target:
