@@ -266,10 +266,11 @@ def validate_cache(out_dir: str | Path) -> dict[str, Any]:
 class FeatureCache(torch.utils.data.Dataset):
     """Random access to the samples of a finished cache.
 
-    ``expect`` (the target training will use) and ``expect_fields`` are checked against the
-    manifest, and every shard's checksum is verified once when the cache is opened (``verify``).
-    Shard files are memory-mapped lazily per process, so the dataset pickles to DataLoader workers.
-    """
+    ``expect`` (the target training will use), ``expect_fields`` and ``expect_tokenizer`` (a
+    :func:`tokenizer_fingerprint`) are checked against the manifest, and every shard's checksum
+    is verified once when the cache is opened (``verify``). Shard files are memory-mapped lazily
+    per process, so the dataset pickles to DataLoader workers.
+    """"""
 
     def __init__(
         self,
@@ -277,6 +278,7 @@ class FeatureCache(torch.utils.data.Dataset):
         expect: TargetSpec | None = None,
         expect_fields: StoredFields | None = None,
         verify: bool = True,
+        expect_tokenizer: str | None = None,
     ) -> None:
         self.dir = Path(out_dir)
         manifest_path = self.dir / "manifest.json"
@@ -289,6 +291,11 @@ class FeatureCache(torch.utils.data.Dataset):
             check_target_matches(self.manifest, expect, str(manifest_path))
         if expect_fields is not None:
             _check_fields(self.manifest, expect_fields, str(manifest_path))
+        if expect_tokenizer is not None and self.manifest["tokenizer_fingerprint"] != expect_tokenizer:
+            raise CacheError(
+                f"{manifest_path} was tokenized with another tokenizer or chat template: cache fingerprint "
+                f"{self.manifest['tokenizer_fingerprint'][:16]}…, target's {expect_tokenizer[:16]}…"
+            )
         self._locations: list[tuple[int, int, int]] = []  # (shard, start token, end token)
         for shard_index, shard in enumerate(self.manifest["shards"]):
             offsets = shard["offsets"]

@@ -18,7 +18,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from specdraft.data.cache import FeatureCache, StoredFields, collate_cached
+from specdraft.data.cache import FeatureCache, StoredFields, collate_cached, tokenizer_fingerprint
 from specdraft.data.chat import TokenizedConversation, tokenize_conversations
 from specdraft.data.conversations import ConversationSet, split_conversations
 from specdraft.data.features import FeatureBatch, TokenBatch, collate, extract_features, pad_token_id
@@ -171,9 +171,10 @@ class FeatureDataModule(L.LightningDataModule):
             return
         self.pad_id = pad_token_id(self.target.spec)
         if self.mode == "cached":
+            fingerprint = tokenizer_fingerprint(self.target.tokenizer)
             for split, directory in (("train", self.train_cache), ("val", self.val_cache)):
                 self.datasets[split] = FeatureCache(
-                    directory, self.target.spec, self.fields, verify=self.verify_cache
+                    directory, self.target.spec, self.fields, self.verify_cache, expect_tokenizer=fingerprint
                 )
             return
         train, heldout = split_conversations(

@@ -18,13 +18,14 @@ from specdraft.data.cache import (
     StoredFields,
     collate_cached,
     plan_shards,
+    tokenizer_fingerprint,
     validate_cache,
     write_cache,
 )
 from specdraft.data.chat import tokenize_conversation
 from specdraft.data.conversations import Conversation, Message
 from specdraft.data.features import collate, extract_features, length_batches
-from specdraft.data.tiny import tiny_random_target
+from specdraft.data.tiny import tiny_random_target, tiny_tokenizer
 
 FIELDS = StoredFields(aux_layer_ids=(1, 2, 3), top_k=4)
 SOURCE = {"data": "synthetic"}
@@ -194,6 +195,10 @@ def test_reading_a_cache_for_another_target_names_both(tmp_path, tiny_target):
         r"'tiny-random-llama-seed5'[\s\S]*dtype: cache has 'float32', target has",
     ):
         FeatureCache(tmp_path, expect=other.spec)
+    with pytest.raises(CacheError, match="another tokenizer or chat template: cache fingerprint"):
+        FeatureCache(
+            tmp_path, expect_tokenizer=tokenizer_fingerprint(tiny_tokenizer(chat_template="{{ 'x' }}"))
+        )
     with pytest.raises(CacheError, match=r"top_k=4, but aux_layer_ids=\[1, 2, 3\] top_k=10 are needed"):
         FeatureCache(tmp_path, expect_fields=StoredFields((1, 2, 3), 10))
 
