@@ -270,7 +270,7 @@ class FeatureCache(torch.utils.data.Dataset):
     :func:`tokenizer_fingerprint`) are checked against the manifest, and every shard's checksum
     is verified once when the cache is opened (``verify``). Shard files are memory-mapped lazily
     per process, so the dataset pickles to DataLoader workers.
-    """"""
+    """
 
     def __init__(
         self,
