@@ -56,10 +56,11 @@ def main(cfg: DictConfig) -> None:
     report = regenerate(
         conversations, responder, cfg.out_path, settings, description, cfg.chunk_size, cfg.progress
     )
+    rate = report.generated_tokens / max(report.seconds, 1e-9)
     print(
         f"{cfg.out_path}: {report.written} conversations written this run ({report.turns_answered} turns "
-        f"answered, {report.turns_dropped} dropped, {report.generated_characters} characters in "
-        f"{report.seconds:.0f} s)"
+        f"answered, {report.turns_dropped} dropped; {report.generated_tokens} tokens in "
+        f"{report.seconds:.0f} s = {rate:.1f} tokens/s)"
     )
 
 
