@@ -26,11 +26,11 @@ import os
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -43,6 +43,17 @@ log = logging.getLogger(__name__)
 
 History = list[dict[str, str]]
 REGEN_FORMAT_VERSION = 1
+
+
+class Responder(Protocol):
+    """Answers a batch of chat histories (None where it cannot); ``seed`` makes sampling
+    reproducible. ``description`` goes into the output's meta file; ``generated_tokens`` is a
+    running count of answer tokens, for throughput reports."""
+
+    description: dict[str, Any]
+    generated_tokens: int
+
+    def __call__(self, histories: Sequence[History], seed: int) -> list[str | None]: ...
 
 
 @dataclass(frozen=True)
@@ -190,13 +201,13 @@ class RegenReport:
     turns_dropped: int = 0  # a prompt too long or an empty answer ends its conversation there
     skipped_conversations: int = 0
     generated_characters: int = 0
-    generated_tokens: int = 0  # as counted by the responder (0 if it cannot count)
+    generated_tokens: int = 0  # as counted by the responder
     seconds: float = 0.0
 
 
 def regenerate(
     conversations: Sequence[Conversation],
-    responder: Callable[[Sequence[History], int], list[str | None]],
+    responder: Responder,
     out_path: str | Path,
     settings: GenerationSettings,
     source: dict[str, Any],
@@ -223,7 +234,7 @@ def regenerate(
     report = RegenReport(conversations=len(conversations))
     todo = range(position["chunks_done"], len(chunks))
     total_turns = sum(1 for i in todo for c in chunks[i] for m in c.messages if m.role == "user")
-    tokens_before = getattr(responder, "generated_tokens", 0)
+    tokens_before = responder.generated_tokens
     started = time.perf_counter()
     with tqdm(total=total_turns, desc="regenerate", unit="turn", disable=not progress) as bar:
         for chunk_index in todo:
@@ -236,14 +247,21 @@ def regenerate(
             write_json_atomic(progress_path, position)
             report.written += len(records)
             elapsed = time.perf_counter() - started
-            tokens = getattr(responder, "generated_tokens", 0) - tokens_before
+            tokens = responder.generated_tokens - tokens_before
             bar.set_postfix(tokens_per_s=f"{tokens / max(elapsed, 1e-9):.0f}")
     report.seconds = time.perf_counter() - started
-    report.generated_tokens = getattr(responder, "generated_tokens", 0) - tokens_before
+    report.generated_tokens = responder.generated_tokens - tokens_before
     return report
 
 
-def _regenerate_chunk(chunk, responder, seed: int, chunk_index: int, report: RegenReport, bar) -> list[dict]:
+def _regenerate_chunk(
+    chunk: Sequence[Conversation],
+    responder: Responder,
+    seed: int,
+    chunk_index: int,
+    report: RegenReport,
+    bar: tqdm,
+) -> list[dict[str, Any]]:
     histories: list[History] = [
         [{"role": "system", "content": c.messages[0].content}] if c.messages[0].role == "system" else []
         for c in chunk

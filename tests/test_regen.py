@@ -33,6 +33,7 @@ class RecordingResponder:
         self, fail_after_calls=None, answer=lambda history: f"new answer to {history[-1]['content']}"
     ):
         self.calls, self.histories, self.fail_after_calls, self.answer = 0, [], fail_after_calls, answer
+        self.generated_tokens = 0
 
     def __call__(self, histories, seed):
         if self.fail_after_calls is not None and self.calls == self.fail_after_calls:
