@@ -1,7 +1,8 @@
-"""Atomic file writes: a reader sees the old file or the new one, never half of one."""
+"""Atomic file writes (a reader sees the old file or the new one, never half of one) and file checksums."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -28,6 +29,15 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
         os.fsync(directory)  # make the rename itself durable
     finally:
         os.close(directory)
+
+
+def file_sha256(path: str | os.PathLike, chunk_bytes: int = 1 << 22) -> str:
+    """SHA-256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:

@@ -41,7 +41,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from specdraft.data.atomic import write_bytes_atomic, write_json_atomic
+from specdraft.data.atomic import file_sha256, write_bytes_atomic, write_json_atomic
 from specdraft.data.chat import TokenizedConversation
 from specdraft.data.features import FeatureBatch, collate, extract_features, length_batches, pad_token_id
 from specdraft.data.target import Target
@@ -50,7 +50,6 @@ from specdraft.heads.spec import TargetSpec
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT_VERSION = 1
-_HASH_CHUNK_BYTES = 1 << 22
 
 
 class CacheError(ValueError):
@@ -449,11 +448,7 @@ def _check_checksum(path: Path, shard: dict[str, Any]) -> None:
         raise CacheError(
             f"{path}: {path.stat().st_size} bytes, the manifest says {shard['bytes']} (truncated?)"
         )
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK_BYTES):
-            digest.update(chunk)
-    if digest.hexdigest() != shard["sha256"]:
+    if file_sha256(path) != shard["sha256"]:
         raise CacheError(f"{path}: SHA-256 does not match the manifest (corrupt)")
 
 

@@ -21,7 +21,14 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from specdraft.data.cache import FeatureCache, StoredFields, collate_cached, tokenizer_fingerprint
 from specdraft.data.chat import TokenizedConversation, tokenize_conversations
 from specdraft.data.conversations import ConversationSet, split_conversations
-from specdraft.data.features import FeatureBatch, TokenBatch, collate, extract_features, pad_token_id
+from specdraft.data.features import (
+    FeatureBatch,
+    TokenBatch,
+    collate,
+    extract_features,
+    pack_batches,
+    pad_token_id,
+)
 from specdraft.data.target import Target
 
 
@@ -81,12 +88,7 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
             else range(len(self.lengths))
         )
         order = sorted(order, key=lambda i: self.lengths[i])
-        batches: list[list[int]] = []
-        for index in order:  # ascending lengths: the newest sample is the batch's longest
-            if batches and (len(batches[-1]) + 1) * self.lengths[index] <= self.max_batch_tokens:
-                batches[-1].append(index)
-            else:
-                batches.append([index])
+        batches = pack_batches(order, self.lengths, self.max_batch_tokens)
         if self.shuffle:
             batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
         usable = len(batches) - len(batches) % self.num_replicas if self.num_replicas > 1 else len(batches)

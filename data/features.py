@@ -90,23 +90,31 @@ def collate(samples: Sequence[TokenizedConversation], pad_token_id: int) -> Toke
     return TokenBatch(input_ids, attention_mask, loss_mask)
 
 
-def length_batches(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:
-    """Group sample indices into batches of similar length (so padding is small) whose padded
-    size ``batch size × longest length`` stays within ``max_batch_tokens``. Longest first, so a
-    batch that does not fit in memory fails at once, not at the end."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+def pack_batches(order: Sequence[int], lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:
+    """Greedily cut ``order`` (sample indices) into consecutive batches whose padded size
+    ``batch size × longest length`` stays within ``max_batch_tokens``. Sorting ``order`` by length
+    first keeps padding small."""
     batches: list[list[int]] = []
+    longest = 0
     for index in order:
-        if lengths[index] > max_batch_tokens:
-            raise ValueError(
-                f"a sample of {lengths[index]} tokens exceeds max_batch_tokens={max_batch_tokens}"
-            )
-        # Sorted descending: the batch's first sample is its longest.
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_batch_tokens:
+        length = lengths[index]
+        if length > max_batch_tokens:
+            raise ValueError(f"a sample of {length} tokens exceeds max_batch_tokens={max_batch_tokens}")
+        if batches and (len(batches[-1]) + 1) * max(longest, length) <= max_batch_tokens:
             batches[-1].append(index)
+            longest = max(longest, length)
         else:
             batches.append([index])
+            longest = length
     return batches
+
+
+def length_batches(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:
+    """Length-bucketed batches within ``max_batch_tokens``, longest first, so a batch that does
+    not fit in memory fails at once, not at the end."""
+    return pack_batches(
+        sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True), lengths, max_batch_tokens
+    )
 
 
 @torch.no_grad()

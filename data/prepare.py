@@ -28,6 +28,7 @@ from specdraft.data.atomic import write_json_atomic
 from specdraft.data.chat import TokenizedConversation, tokenize_conversations
 from specdraft.data.conversations import split_conversations
 from specdraft.data.features import collate, extract_features, length_batches, pad_token_id
+from specdraft.data.regen import GenerationSettings, TargetResponder
 from specdraft.data.target import Target
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ def main(cfg: DictConfig) -> None:
         target.tokenizer, sample, cfg.data.max_length, cfg.progress
     )
     throughput = measure_feature_throughput(target, tokenized, cfg.batch_tokens, cfg.top_k, cfg.progress)
-    answer = greedy_chat_answer(target, cfg.chat_check.prompt, cfg.chat_check.max_new_tokens)
+    greedy = TargetResponder(target, GenerationSettings(max_new_tokens=cfg.chat_check.max_new_tokens))
+    answer = greedy([[{"role": "user", "content": cfg.chat_check.prompt}]], seed=0)[0]
     log.info("chat check: %r -> %r", cfg.chat_check.prompt, answer)
 
     report = {
@@ -110,24 +112,6 @@ def measure_feature_throughput(
         "seconds": seconds,
         "tokens_per_second": real_tokens / seconds if seconds else 0.0,
     }
-
-
-def greedy_chat_answer(target: Target, prompt: str, max_new_tokens: int) -> str:
-    input_ids = target.tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )["input_ids"].to(target.device)
-    output = target.model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=list(target.spec.eos_token_ids),
-        pad_token_id=target.spec.pad_token_id,
-    )
-    return target.tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
 
 
 if __name__ == "__main__":

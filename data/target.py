@@ -14,7 +14,6 @@ head or of a LightningModule.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -29,13 +28,13 @@ from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specdraft.data.assets import find_package_file
+from specdraft.data.atomic import file_sha256
 from specdraft.data.chat import end_of_turn_token_id
 from specdraft.heads.spec import TargetSpec, default_aux_layer_ids
 
 log = logging.getLogger(__name__)
 
 GGUF_CACHE_FORMAT_VERSION = 1
-_HASH_CHUNK_BYTES = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -134,7 +133,7 @@ def load_gguf_target(
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    digest = _sha256(gguf_path)
+    digest = file_sha256(gguf_path)
     cached = Path(cache_dir).expanduser() / "targets" / f"{gguf_path.stem}-{digest[:16]}"
     if not (cached / "specdraft_cache.json").is_file():
         _dequantise_gguf_to(gguf_path, cached, digest)
@@ -215,14 +214,6 @@ def _eos_token_ids(
             raise ValueError(f"extra_eos_tokens: {token!r} is not a token of the target tokenizer")
         candidates.append(token_id)
     return tuple(dict.fromkeys(int(i) for i in candidates if i is not None))
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _dequantise_gguf_to(gguf_path: Path, destination: Path, digest: str) -> None:
