@@ -1,0 +1,205 @@
+"""EAGLE-style autoregressive feature heads: EAGLE-1/2 and EAGLE-3.
+
+Both are one Llama decoder layer that drafts autoregressively in feature space. Position t reads
+a feature for t and the token x_{t+1}, and produces the feature the next step reads at t+1:
+
+* EAGLE-1/2: the feature is the target's last hidden state (after the final norm), ``f_t``.
+  ``h = fc([emb(x_{t+1}); f_t])`` (2H → H) feeds a decoder layer without input norm; the output
+  predicts ``f_{t+1}`` and the logits come from the target's frozen lm_head.
+* EAGLE-3: the level-1 feature is ``g_t = fc(aux_t)`` (k·H → H), the fusion of k pre-norm target
+  layers; at later draft steps it is the layer's own previous output. The attention reads
+  ``[norm(emb(x_{t+1})); norm(g_t)]`` (2H), the residual stream is ``g_t``, and the head has its
+  own final norm and lm_head over a reduced draft vocabulary (``d2t`` / ``t2d``).
+
+:meth:`FeatureHead.step` is the one computation used for training (full sequences, and the
+multi-step rollout of ``specdraft.train.rollout``) and for drafting (a KV cache as ``past``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdraft.heads.frozen import TargetWeights
+from specdraft.heads.layers import DraftDecoderLayer, RMSNorm
+from specdraft.heads.spec import TargetSpec
+from specdraft.heads.vocab import full_vocab_maps, target_to_draft_index
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """EAGLE-1/2. ``fc_bias``: the reference fc has a bias, EAGLE's LLaMA-3 heads do not, and vLLM
+    silently ignores one, so it is off by default."""
+
+    fc_bias: bool = False
+    kind: str = "eagle"
+
+    def __post_init__(self) -> None:
+        if self.kind != "eagle":
+            raise ValueError(f"EagleConfig.kind must be 'eagle', got {self.kind!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """EAGLE-3. ``draft_vocab_size``: None = the full target vocabulary."""
+
+    draft_vocab_size: int | None = 32000
+    kind: str = "eagle3"
+
+    def __post_init__(self) -> None:
+        if self.kind != "eagle3":
+            raise ValueError(f"Eagle3Config.kind must be 'eagle3', got {self.kind!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class FeatureHead(nn.Module):
+    """What EAGLE-1/2 and EAGLE-3 share: a frozen target embedding, one draft decoder layer, and the
+    step / logits API. Subclasses define the level-1 features, the attention input, and logits."""
+
+    spec: TargetSpec
+
+    def __init__(self, spec: TargetSpec, weights: TargetWeights, attention_input_size: int) -> None:
+        super().__init__()
+        weights.check(spec)
+        self.spec = spec
+        self.register_buffer("target_embedding", weights.embedding, persistent=False)
+        self.layer = DraftDecoderLayer(spec, attention_input_size)
+
+    def embed(self, token_ids: Tensor) -> Tensor:
+        return F.embedding(token_ids, self.target_embedding)
+
+    def initial_features(self, hidden: Tensor, aux: Tensor | None) -> Tensor:
+        """The level-1 features B×T×H the head reads from the target (hidden: last hidden state,
+        aux: the concatenated aux layers)."""
+        raise NotImplementedError
+
+    def attention_inputs(self, features: Tensor, token_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """(attention input B×n×(H or 2H), residual B×n×H) for features and the next tokens."""
+        raise NotImplementedError
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Draft logits ...×V' for layer outputs ...×H."""
+        raise NotImplementedError
+
+    def step(
+        self,
+        features: Tensor,
+        token_ids: Tensor,
+        positions: Tensor,
+        mask: Tensor,
+        past_key: Tensor | None = None,
+        past_value: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """One draft step over n positions.
+
+        features   B×n×H   the feature at each position (level 1: :meth:`initial_features`;
+                           later steps: the head's own outputs for the previous positions)
+        token_ids  B×n     the token that FOLLOWS each position (x_{t+1} at position t)
+        positions  B×n     rotary positions
+        mask       additive (0 / −inf), broadcastable to B×1×n×(P+n), P = past length
+        past_*     B×kv_heads×P×head_dim: KV cache, or the K/V of earlier rollout levels
+        Returns (output B×n×H — the next feature; key, value B×kv_heads×n×head_dim of these n).
+        """
+        attention_input, residual = self.attention_inputs(features, token_ids)
+        return self.layer(attention_input, residual, positions, mask, past_key, past_value)
+
+
+class EagleHead(FeatureHead):
+    """EAGLE-1/2: predicts the target's next post-norm feature; logits via the frozen lm_head."""
+
+    def __init__(self, spec: TargetSpec, weights: TargetWeights, config: EagleConfig | None = None) -> None:
+        super().__init__(spec, weights, attention_input_size=spec.hidden_size)
+        self.config = config or EagleConfig()
+        self.fc = nn.Linear(2 * spec.hidden_size, spec.hidden_size, bias=self.config.fc_bias)
+        self.register_buffer("target_lm_head", weights.lm_head, persistent=False)
+
+    def initial_features(self, hidden: Tensor, aux: Tensor | None = None) -> Tensor:
+        return hidden
+
+    def attention_inputs(self, features: Tensor, token_ids: Tensor) -> tuple[Tensor, Tensor]:
+        embedded = self.embed(token_ids).to(features.dtype)
+        h = self.fc(torch.cat([embedded, features], dim=-1))
+        return h, h  # layer 0 has no input norm: the attention reads h itself
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return F.linear(hidden, self.target_lm_head.to(hidden.dtype))
+
+    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
+        return draft_ids
+
+
+class Eagle3Head(FeatureHead):
+    """EAGLE-3: fused multi-layer features, 2H attention input, own norm + draft-vocab lm_head."""
+
+    def __init__(
+        self,
+        spec: TargetSpec,
+        weights: TargetWeights,
+        config: Eagle3Config | None = None,
+        d2t: Tensor | None = None,
+        t2d: Tensor | None = None,
+    ) -> None:
+        super().__init__(spec, weights, attention_input_size=2 * spec.hidden_size)
+        self.config = config or Eagle3Config()
+        if not spec.aux_layer_ids:
+            raise ValueError(f"EAGLE-3 needs target aux layers; target {spec.name} has aux_layer_ids=()")
+        hidden = spec.hidden_size
+        if (d2t is None) != (t2d is None):
+            raise ValueError("EAGLE-3: pass both d2t and t2d, or neither (full vocabulary)")
+        if d2t is None:
+            if self.config.draft_vocab_size not in (None, spec.vocab_size):
+                raise ValueError(
+                    f"EAGLE-3 draft_vocab_size={self.config.draft_vocab_size} needs d2t/t2d maps "
+                    "(build them with heads.vocab.draft_vocab_from_counts)"
+                )
+            d2t, t2d = full_vocab_maps(spec.vocab_size)
+        draft_vocab = d2t.numel()
+        if self.config.draft_vocab_size not in (None, draft_vocab) or t2d.numel() != spec.vocab_size:
+            raise ValueError(
+                f"EAGLE-3: d2t has {draft_vocab} entries and t2d {t2d.numel()}; expected "
+                f"draft_vocab_size={self.config.draft_vocab_size} and target vocab {spec.vocab_size}"
+            )
+        if int(t2d.sum()) != draft_vocab:
+            raise ValueError(f"EAGLE-3: t2d marks {int(t2d.sum())} tokens but d2t has {draft_vocab}")
+        self.fc = nn.Linear(len(spec.aux_layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, spec.rms_norm_eps)
+        self.input_layernorm = RMSNorm(hidden, spec.rms_norm_eps)
+        self.norm = RMSNorm(hidden, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
+        self.register_buffer("d2t", d2t.long())
+        self.register_buffer("t2d", t2d.bool())
+        self.register_buffer("target_to_draft", target_to_draft_index(self.t2d), persistent=False)
+        # Warm start from the target: its final norm and the lm_head rows of the draft vocabulary.
+        draft_to_target = torch.arange(draft_vocab) + self.d2t
+        self.lm_head.weight.data.copy_(weights.lm_head[draft_to_target].float())
+        self.norm.weight.data.copy_(weights.final_norm.float())
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.d2t.numel()
+
+    def initial_features(self, hidden: Tensor, aux: Tensor | None) -> Tensor:
+        if aux is None:
+            raise ValueError("EAGLE-3 reads the target's aux layers: enable datamodule.aux_layers")
+        return self.fc(aux)
+
+    def attention_inputs(self, features: Tensor, token_ids: Tensor) -> tuple[Tensor, Tensor]:
+        embedded = self.embed(token_ids).to(features.dtype)
+        attention_input = torch.cat([self.input_layernorm(embedded), self.hidden_norm(features)], dim=-1)
+        return attention_input, features
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
+        """Draft-vocabulary ids -> target ids."""
+        return draft_ids + self.d2t[draft_ids]

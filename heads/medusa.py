@@ -1,0 +1,89 @@
+"""Medusa heads (Cai et al., 2024): K parallel heads over the target's last hidden state.
+
+Head k (0-based) reads the post-norm last hidden state at position t and predicts token t+2+k
+(the target itself predicts t+1). Each head is ``num_layers`` residual blocks ``x + SiLU(Wx + b)``
+with W zero-initialised (so an untrained head starts near the target's own lm_head), then a
+vocabulary projection: either the head's own Linear initialised from the target lm_head, or the
+shared frozen target lm_head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdraft.heads.frozen import TargetWeights
+from specdraft.heads.spec import TargetSpec
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    num_heads: int = 4
+    num_layers: int = 1
+    own_lm_head: bool = False  # True: Medusa-1's per-head projection (V×H trainable params per head)
+    kind: str = "medusa"
+
+    def __post_init__(self) -> None:
+        if self.kind != "medusa":
+            raise ValueError(f"MedusaConfig.kind must be 'medusa', got {self.kind!r}")
+        if self.num_heads < 1 or self.num_layers < 0:
+            raise ValueError(f"Medusa needs num_heads >= 1 and num_layers >= 0, got {self}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)  # starts as x + SiLU(b): close to the target's own lm_head
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHead(nn.Module):
+    """``forward(hidden ...×H) -> logits K×...×V``; head k predicts the token k+2 positions ahead."""
+
+    def __init__(self, spec: TargetSpec, weights: TargetWeights, config: MedusaConfig | None = None) -> None:
+        super().__init__()
+        weights.check(spec)
+        self.spec, self.config = spec, config or MedusaConfig()
+        # One ModuleList per head, a fresh ResBlock per layer: Medusa's reference code builds
+        # ``[ResBlock(H)] * L``, which shares ONE block L times.
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*(ResBlock(spec.hidden_size) for _ in range(self.config.num_layers)))
+            for _ in range(self.config.num_heads)
+        )
+        if self.config.own_lm_head:
+            self.lm_heads = nn.ModuleList(
+                nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) for _ in range(self.config.num_heads)
+            )
+            for lm_head in self.lm_heads:
+                lm_head.weight.data.copy_(weights.lm_head.float())
+        self.register_buffer("target_lm_head", weights.lm_head, persistent=False)
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    def head_logits(self, hidden: Tensor, k: int) -> Tensor:
+        """Logits ...×V of head k for last hidden states ...×H."""
+        features = self.blocks[k](hidden)
+        if self.config.own_lm_head:
+            return self.lm_heads[k](features)
+        return F.linear(features, self.target_lm_head.to(features.dtype))
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """hidden ...×H (post-norm last hidden states) -> logits K×...×V."""
+        return torch.stack([self.head_logits(hidden, k) for k in range(self.num_heads)])
+
+    def draft_logits(self, last_hidden: Tensor) -> Tensor:
+        """One-step drafting API: the last accepted position's hidden state B×H -> K×B×V, where
+        row k ranks the candidates for the token k+2 positions after it."""
+        return self(last_hidden)

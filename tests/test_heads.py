@@ -1,0 +1,136 @@
+"""Draft heads: shapes, parameter counts, frozen parts, no shared weights, draft vocab maps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.heads import (
+    Eagle3Config,
+    Eagle3Head,
+    EagleConfig,
+    EagleHead,
+    MedusaConfig,
+    MedusaHead,
+    draft_vocab_from_counts,
+    random_target_weights,
+)
+from specdraft.heads.layers import causal_mask
+from specdraft.heads.vocab import target_to_draft_index
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_target):
+    return tiny_target.spec
+
+
+@pytest.fixture(scope="module")
+def weights(spec):
+    return random_target_weights(spec, seed=1)
+
+
+def trainable(module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def test_medusa_parameter_count_and_blocks_not_shared(spec, weights):
+    H, V = spec.hidden_size, spec.vocab_size
+    head = MedusaHead(spec, weights, MedusaConfig(num_heads=3, num_layers=2))
+    assert trainable(head) == 3 * 2 * (H * H + H)
+    own = MedusaHead(spec, weights, MedusaConfig(num_heads=3, num_layers=2, own_lm_head=True))
+    assert trainable(own) == 3 * 2 * (H * H + H) + 3 * V * H
+    # Medusa's reference bug `[ResBlock(H)] * L` shares one block; ours are distinct tensors.
+    pointers = {p.data_ptr() for p in own.parameters()}
+    assert len(pointers) == len(list(own.parameters()))
+    for lm_head in own.lm_heads:
+        assert torch.equal(lm_head.weight, weights.lm_head)
+    hidden = torch.randn(2, 5, H)
+    logits = head(hidden)
+    assert logits.shape == (3, 2, 5, V)
+    # W starts at zero, so a block is x + SiLU(b): with b = 0 the head is the target's lm_head.
+    for block in head.blocks[1]:
+        assert torch.count_nonzero(block.linear.weight) == 0
+        torch.nn.init.zeros_(block.linear.bias)
+    torch.testing.assert_close(head(hidden)[1], hidden @ weights.lm_head.T)
+
+
+def test_eagle_parameter_count(spec, weights):
+    H, inter, heads, kv, d = (
+        spec.hidden_size,
+        spec.intermediate_size,
+        spec.num_attention_heads,
+        spec.num_kv_heads,
+        spec.head_dim,
+    )
+    layer = H * heads * d + 2 * H * kv * d + heads * d * H + 3 * H * inter + H
+    assert trainable(EagleHead(spec, weights)) == 2 * H * H + layer
+    assert trainable(EagleHead(spec, weights, EagleConfig(fc_bias=True))) == 2 * H * H + H + layer
+    # EAGLE-3: attention reads 2H; fc fuses k aux layers; 3 norms; a draft-vocab lm_head.
+    k = len(spec.aux_layer_ids)
+    d2t, t2d = draft_vocab_from_counts(torch.arange(spec.vocab_size).float(), 100)
+    e3 = Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=100), d2t, t2d)
+    layer3 = 2 * H * heads * d + 2 * 2 * H * kv * d + heads * d * H + 3 * H * inter + H
+    assert trainable(e3) == k * H * H + layer3 + 3 * H + 100 * H
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+def test_frozen_target_weights_stay_out_of_state_and_gradients(spec, weights, kind):
+    head = {
+        "medusa": lambda: MedusaHead(spec, weights),
+        "eagle": lambda: EagleHead(spec, weights),
+        "eagle3": lambda: Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=None)),
+    }[kind]()
+    state = head.state_dict()
+    assert not any(name.startswith("target_") for name in state), sorted(state)
+    assert all(p.requires_grad for p in head.parameters())
+    for name, buffer in head.named_buffers():
+        assert not buffer.requires_grad, name
+    # A backward pass leaves the frozen embedding / lm_head untouched and gradient-free.
+    before = {n: b.clone() for n, b in head.named_buffers()}
+    tokens = torch.randint(0, spec.vocab_size, (2, 6))
+    hidden = torch.randn(2, 6, spec.hidden_size)
+    if kind == "medusa":
+        loss = head(hidden).sum()
+    else:
+        aux = torch.randn(2, 6, len(spec.aux_layer_ids) * spec.hidden_size)
+        features = head.initial_features(hidden, aux)
+        positions = torch.arange(6).expand(2, 6)
+        out, _, _ = head.step(features, tokens, positions, causal_mask(6))
+        loss = head.logits(out).sum()
+    loss.backward()
+    for name, buffer in head.named_buffers():
+        assert torch.equal(buffer, before[name]), name
+    assert all(p.grad is not None for p in head.parameters() if p.requires_grad)
+
+
+def test_eagle3_warm_start_and_vocab_maps(spec, weights):
+    counts = torch.zeros(spec.vocab_size)
+    counts[[7, 3, 200, 50]] = torch.tensor([5.0, 9.0, 9.0, 1.0])
+    d2t, t2d = draft_vocab_from_counts(counts, 3)
+    # The three most frequent (3 and 200 tie at 9, then 7), ordered by target id; offsets.
+    assert (torch.arange(3) + d2t).tolist() == [3, 7, 200]
+    assert d2t.tolist() == [3, 6, 198]
+    assert t2d.nonzero().squeeze(-1).tolist() == [3, 7, 200]
+    assert target_to_draft_index(t2d)[[3, 7, 200, 4]].tolist() == [0, 1, 2, -1]
+    head = Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=3), d2t, t2d)
+    assert torch.equal(head.lm_head.weight, weights.lm_head[[3, 7, 200]])
+    assert head.draft_to_target(torch.tensor([0, 2])).tolist() == [3, 200]
+    assert {"d2t", "t2d"} <= set(head.state_dict())
+
+
+def test_eagle3_rejects_inconsistent_vocab(spec, weights):
+    d2t, t2d = draft_vocab_from_counts(torch.ones(spec.vocab_size), 10)
+    with pytest.raises(ValueError, match="draft_vocab_size=20"):
+        Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=20), d2t, t2d)
+    with pytest.raises(ValueError, match="needs d2t/t2d"):
+        Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=10))
+    with pytest.raises(ValueError, match="draft_vocab_size must be"):
+        draft_vocab_from_counts(torch.ones(5), 6)
+
+
+def test_weights_of_the_wrong_shape_are_refused(spec, weights):
+    from dataclasses import replace
+
+    other = replace(spec, vocab_size=spec.vocab_size + 1)
+    with pytest.raises(ValueError, match="embedding has shape"):
+        EagleHead(other, weights)

@@ -1,0 +1,113 @@
+"""The multi-step rollout: literal masks, and step j of training == the j-th draft step at decode time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.data.features import TokenBatch, extract_features
+from specdraft.heads import Eagle3Config, Eagle3Head, EagleHead, TargetWeights
+from specdraft.heads.layers import causal_mask
+from specdraft.train.rollout import RolloutConfig, alignment_mask, rollout
+
+NEG = float("-inf")
+
+
+def test_alignment_mask_literal():
+    # Step 1 is the causal mask.
+    torch.testing.assert_close(alignment_mask(3, 1), causal_mask(3))
+    # Step 2, T=4: level-1 keys up to p−1, level-2 key at p itself.
+    expected = torch.tensor(
+        [
+            [NEG, NEG, NEG, NEG, 0, NEG, NEG, NEG],
+            [0, NEG, NEG, NEG, NEG, 0, NEG, NEG],
+            [0, 0, NEG, NEG, NEG, NEG, 0, NEG],
+            [0, 0, 0, NEG, NEG, NEG, NEG, 0],
+        ]
+    )
+    torch.testing.assert_close(alignment_mask(4, 2), expected)
+    # Step 3, query p=3: level 1 up to q=1, level 2 at q=2, level 3 at q=3.
+    row = alignment_mask(4, 3)[3]
+    assert (row == 0).nonzero().squeeze(-1).tolist() == [0, 1, 4 + 2, 8 + 3]
+
+
+def tiny_features(target, length=12, batch=2, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, target.spec.vocab_size, (batch, length), generator=generator)
+    ones = torch.ones_like(input_ids)
+    return extract_features(target, TokenBatch(input_ids, ones, ones), target.spec.aux_layer_ids)
+
+
+def target_weights(target) -> TargetWeights:
+    model = target.model
+    return TargetWeights(
+        model.get_input_embeddings().weight.detach(),
+        model.get_output_embeddings().weight.detach(),
+        model.get_decoder().norm.weight.detach(),
+    )
+
+
+def decode_steps(head, features, input_ids, t, steps):
+    """The head drafting autoregressively after the target accepted position t (KV cache, one
+    position per step), fed the true next tokens. Returns the output of each step."""
+    batch = input_ids.shape[0]
+    prefix = torch.arange(t + 1).expand(batch, -1)
+    out, key, value = head.step(features[:, : t + 1], input_ids[:, 1 : t + 2], prefix, causal_mask(t + 1))
+    outputs = [out[:, -1:]]
+    for k in range(2, steps + 1):
+        position = t + k - 1
+        out, new_key, new_value = head.step(
+            outputs[-1],
+            input_ids[:, position + 1 : position + 2],
+            torch.full((batch, 1), position),
+            torch.zeros(1, position + 1),
+            key,
+            value,
+        )
+        key, value = torch.cat([key, new_key], dim=2), torch.cat([value, new_value], dim=2)
+        outputs.append(out)
+    return [o[:, 0] for o in outputs]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("detach", [True, False])
+def test_training_step_j_is_decode_step_j(tiny_target, kind, detach):
+    steps = 4
+    batch = tiny_features(tiny_target)
+    torch.manual_seed(0)
+    weights = target_weights(tiny_target)
+    if kind == "eagle":
+        head = EagleHead(tiny_target.spec, weights)
+    else:
+        head = Eagle3Head(tiny_target.spec, weights, Eagle3Config(draft_vocab_size=None))
+    head = head.double()
+    features = head.initial_features(batch.hidden.double(), batch.aux.double())
+    outputs = rollout(head, features, batch.input_ids, RolloutConfig(steps=steps, detach=detach))
+    for t in (steps - 1, 5, 7):  # the last draft step still has a true next token
+        drafted = decode_steps(head, features, batch.input_ids, t, steps)
+        for j in range(1, steps + 1):
+            p = t + j - 1
+            torch.testing.assert_close(outputs[j - 1][:, p], drafted[j - 1], rtol=0, atol=1e-10)
+            torch.testing.assert_close(
+                head.logits(outputs[j - 1][:, p]), head.logits(drafted[j - 1]), rtol=0, atol=1e-9
+            )
+
+
+def test_detach_cuts_the_gradient_between_steps(tiny_target):
+    batch = tiny_features(tiny_target)
+    head = EagleHead(tiny_target.spec, target_weights(tiny_target))
+    for detach, connected in ((True, False), (False, True)):
+        outputs = rollout(head, batch.hidden, batch.input_ids, RolloutConfig(steps=2, detach=detach))
+        (grad,) = torch.autograd.grad(outputs[1].sum(), outputs[0], allow_unused=True)
+        assert (grad is not None and grad.abs().sum() > 0) == connected
+    # Detaching changes gradients, never values.
+    a = rollout(head, batch.hidden, batch.input_ids, RolloutConfig(steps=3, detach=True))
+    b = rollout(head, batch.hidden, batch.input_ids, RolloutConfig(steps=3, detach=False))
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_rollout_config_validation():
+    assert RolloutConfig(steps=3, step_weight_base=0.5).step_weight(3) == 0.25
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        RolloutConfig(steps=0)

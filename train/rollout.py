@@ -1,0 +1,101 @@
+"""Multi-step training of autoregressive feature heads: HASS harmonized context alignment and
+EAGLE-3's training-time test, as ONE parametrised mechanism.
+
+At decode time, after the target accepted position t, draft step j (j = 1..n) runs at position
+t+j−1: its query reads the head's own step-(j−1) feature, and it attends the KV cache of target
+features up to t plus the head's own features at t+1..t+j−1 from the earlier steps. Training
+reproduces exactly that context for every position at once. At step j the query at position p
+(so t = p−(j−1)) attends
+
+* level-1 keys (computed from target features at step 1) at positions q ≤ p−(j−1), and
+* the level-l key (computed at step l, 2 ≤ l ≤ j) at position q = p−(j−l) only,
+
+where the level-l input at q is the head's step-(l−1) output at q−1 with the true token x_{q+1}
+(teacher forcing). The step-j output at p therefore predicts the target's feature / next-token
+distribution at p+1 for every j, and positions p < j−1 (no target context left) are not
+supervised. Masks are ADDITIVE (0 / −inf): a masked key takes no part in the softmax. (HASS's
+reference code multiplies the scores by its mask instead, so masked keys still enter the
+softmax denominator.) Rotary positions are the true positions at every level, as at decode time.
+
+``detach=True`` (HASS) stops the gradient through earlier-step features; ``detach=False`` with
+weights 0.8^(j−1) is EAGLE-3's training-time test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specdraft.heads.eagle import FeatureHead
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """steps: n draft steps per batch (1 = plain EAGLE training); step_weight_base: β, step j's
+    loss is weighted β^(j−1); detach: cut the gradient through the features earlier steps feed
+    to later ones (HASS: true, EAGLE-3 TTT: false)."""
+
+    steps: int = 1
+    step_weight_base: float = 1.0
+    detach: bool = True
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"rollout steps must be >= 1, got {self.steps}")
+        if self.step_weight_base <= 0:
+            raise ValueError(f"rollout step_weight_base must be > 0, got {self.step_weight_base}")
+
+    def step_weight(self, step: int) -> float:
+        """Loss weight of 1-based step ``step``."""
+        return self.step_weight_base ** (step - 1)
+
+
+def alignment_mask(length: int, step: int, device: torch.device | str | None = None) -> Tensor:
+    """Additive mask T×(step·T) for the queries of 1-based ``step`` over the keys of levels 1..step
+    (level-major: keys [l·T, (l+1)·T) belong to level l+1). See the module docstring."""
+    queries = torch.arange(length, device=device).unsqueeze(-1)  # p
+    keys = torch.arange(length, device=device)  # q
+    allowed = [keys <= queries - (step - 1)]  # level 1: target context up to p−(j−1)
+    allowed += [keys == queries - (step - level) for level in range(2, step + 1)]
+    allowed = torch.cat(allowed, dim=-1)
+    return torch.zeros(allowed.shape, device=device).masked_fill(~allowed, float("-inf"))
+
+
+def shift_left(x: Tensor, fill: float | int = 0) -> Tensor:
+    """x[:, p] <- x[:, p+1] along dim 1; the last position gets ``fill``."""
+    return torch.cat([x[:, 1:], torch.full_like(x[:, :1], fill)], dim=1)
+
+
+def shift_right(x: Tensor) -> Tensor:
+    """x[:, p] <- x[:, p−1] along dim 1; position 0 gets zeros."""
+    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+
+
+def rollout(
+    head: FeatureHead, features: Tensor, input_ids: Tensor, config: RolloutConfig, pad_token_id: int = 0
+) -> list[Tensor]:
+    """Run ``config.steps`` aligned draft steps over whole sequences.
+
+    features   B×T×H  level-1 features (``head.initial_features``)
+    input_ids  B×T    the tokens; position p reads x_{p+1}
+    Returns one B×T×H output per step: step j's output at p predicts position p+1's target
+    feature (EAGLE-1) / the next-token distribution there. Supervise step j only at p ≥ j−1.
+    """
+    batch, length, _ = features.shape
+    next_tokens = shift_left(input_ids, pad_token_id)
+    positions = torch.arange(length, device=features.device).expand(batch, length)
+    past_keys: list[Tensor] = []
+    past_values: list[Tensor] = []
+    outputs: list[Tensor] = []
+    for step in range(1, config.steps + 1):
+        mask = alignment_mask(length, step, features.device)
+        past_key = torch.cat(past_keys, dim=2) if past_keys else None
+        past_value = torch.cat(past_values, dim=2) if past_values else None
+        output, key, value = head.step(features, next_tokens, positions, mask, past_key, past_value)
+        outputs.append(output)
+        past_keys.append(key)
+        past_values.append(value)
+        features = shift_right(output.detach() if config.detach else output)
+    return outputs
