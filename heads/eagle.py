@@ -72,10 +72,17 @@ class FeatureHead(nn.Module):
         weights.check(spec)
         self.spec = spec
         self.register_buffer("target_embedding", weights.embedding, persistent=False)
+        # The target's own lm_head: EAGLE-1/2 draft through it; every head's training targets
+        # (the target's next-token distribution) are recomputed through it from the features.
+        self.register_buffer("target_lm_head", weights.lm_head, persistent=False)
         self.layer = DraftDecoderLayer(spec, attention_input_size)
 
     def embed(self, token_ids: Tensor) -> Tensor:
         return F.embedding(token_ids, self.target_embedding)
+
+    def target_logits(self, hidden: Tensor) -> Tensor:
+        """The target's logits ...×V for its own last hidden states ...×H."""
+        return F.linear(hidden, self.target_lm_head.to(hidden.dtype))
 
     def initial_features(self, hidden: Tensor, aux: Tensor | None) -> Tensor:
         """The level-1 features B×T×H the head reads from the target (hidden: last hidden state,
@@ -120,7 +127,6 @@ class EagleHead(FeatureHead):
         super().__init__(spec, weights, attention_input_size=spec.hidden_size)
         self.config = config or EagleConfig()
         self.fc = nn.Linear(2 * spec.hidden_size, spec.hidden_size, bias=self.config.fc_bias)
-        self.register_buffer("target_lm_head", weights.lm_head, persistent=False)
 
     def initial_features(self, hidden: Tensor, aux: Tensor | None = None) -> Tensor:
         return hidden
@@ -131,7 +137,7 @@ class EagleHead(FeatureHead):
         return h, h  # layer 0 has no input norm: the attention reads h itself
 
     def logits(self, hidden: Tensor) -> Tensor:
-        return F.linear(hidden, self.target_lm_head.to(hidden.dtype))
+        return self.target_logits(hidden)
 
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         return draft_ids

@@ -72,12 +72,16 @@ class MedusaHead(nn.Module):
     def num_heads(self) -> int:
         return self.config.num_heads
 
+    def target_logits(self, hidden: Tensor) -> Tensor:
+        """The target's logits ...×V for its own last hidden states ...×H."""
+        return F.linear(hidden, self.target_lm_head.to(hidden.dtype))
+
     def head_logits(self, hidden: Tensor, k: int) -> Tensor:
         """Logits ...×V of head k for last hidden states ...×H."""
         features = self.blocks[k](hidden)
         if self.config.own_lm_head:
             return self.lm_heads[k](features)
-        return F.linear(features, self.target_lm_head.to(features.dtype))
+        return self.target_logits(features)
 
     def forward(self, hidden: Tensor) -> Tensor:
         """hidden ...×H (post-norm last hidden states) -> logits K×...×V."""

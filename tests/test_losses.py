@@ -1,0 +1,138 @@
+"""Golden values of the loss terms on fixed inputs, and the objective on the tiny target."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdraft.data.features import TokenBatch, extract_features
+from specdraft.heads import Eagle3Config, Eagle3Head, EagleHead, MedusaConfig, MedusaHead, TargetWeights
+from specdraft.heads.vocab import draft_vocab_from_counts
+from specdraft.train.losses import (
+    LossWeights,
+    cross_entropy,
+    feature_regression,
+    forward_kl,
+    soft_cross_entropy,
+    step_loss,
+    topk_distillation,
+)
+from specdraft.train.objective import DraftObjective, simulated_tau
+from specdraft.train.rollout import RolloutConfig
+
+LN2 = math.log(2.0)
+
+
+def test_golden_values():
+    # q = softmax([0, ln 2]) = [1/3, 2/3]; p = [1/2, 1/2].
+    draft = torch.tensor([[0.0, LN2]])
+    p = torch.tensor([[0.5, 0.5]])
+    assert soft_cross_entropy(draft, p).item() == pytest.approx(0.5 * math.log(4.5))
+    assert forward_kl(draft, p).item() == pytest.approx(0.5 * math.log(4.5) - math.log(2.0))
+    assert forward_kl(torch.log(p), p).item() == pytest.approx(0.0, abs=1e-7)
+    # Top-K: p = [0.7, 0.2, 0.1], K = 2, q = [1/2, 1/4, 1/4] → −(0.7 ln ½ + 0.2 ln ¼).
+    draft3 = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
+    ids, probs = torch.tensor([[0, 1]]), torch.tensor([[0.7, 0.2]])
+    assert topk_distillation(draft3, ids, probs).item() == pytest.approx(0.7 * LN2 + 0.2 * 2 * LN2)
+    # A top-k token outside the draft vocabulary (−1) contributes nothing.
+    assert topk_distillation(draft3, torch.tensor([[0, -1]]), probs).item() == pytest.approx(0.7 * LN2)
+    # SmoothL1 (β = 1), mean over H then N: |d| = 0.5 → 0.125, |d| = 2 → 1.5.
+    predicted, target = torch.tensor([[0.5, 2.0], [0.0, 0.0]]), torch.zeros(2, 2)
+    assert feature_regression(predicted, target).item() == pytest.approx(((0.125 + 1.5) / 2 + 0) / 2)
+    # Hard CE: label 1 of [1/3, 2/3] → ln 1.5; an ignored label (−1) still counts in the mean.
+    two = torch.tensor([[0.0, LN2], [0.0, LN2]])
+    assert cross_entropy(two, torch.tensor([1, -1])).item() == pytest.approx(math.log(1.5) / 2)
+    # Empty selections give 0, not NaN.
+    assert soft_cross_entropy(torch.zeros(0, 2), torch.zeros(0, 2)).item() == 0.0
+
+
+def test_step_loss_weights_and_missing_inputs():
+    draft = torch.tensor([[0.0, LN2]])
+    p = torch.tensor([[0.5, 0.5]])
+    terms = step_loss(LossWeights(soft_ce=0.1, forward_kl=2.0), draft, target_probs=p)
+    assert set(terms) == {"soft_ce", "forward_kl", "loss"}
+    expected = 0.1 * 0.5 * math.log(4.5) + 2.0 * (0.5 * math.log(4.5) - LN2)
+    assert terms["loss"].item() == pytest.approx(expected)
+    with pytest.raises(ValueError, match="'topk' has weight"):
+        step_loss(LossWeights(topk=1.0), draft, target_probs=p)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        LossWeights(feature=-1)
+
+
+def test_simulated_tau():
+    assert simulated_tau([]) == 1.0
+    assert simulated_tau([0.5, 0.5, 1.0]) == pytest.approx(1 + 0.5 + 0.25 + 0.25)
+
+
+def weights_of(target) -> TargetWeights:
+    model = target.model
+    return TargetWeights(
+        model.get_input_embeddings().weight.detach(),
+        model.get_output_embeddings().weight.detach(),
+        model.get_decoder().norm.weight.detach(),
+    )
+
+
+@pytest.fixture(scope="module")
+def features(tiny_target):
+    generator = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(3, tiny_target.spec.vocab_size, (3, 16), generator=generator)
+    attention = torch.ones_like(input_ids)
+    attention[2, 11:] = 0
+    loss_mask = attention.clone()
+    loss_mask[:, :4] = 0
+    batch = TokenBatch(input_ids, attention, loss_mask)
+    return extract_features(tiny_target, batch, tiny_target.spec.aux_layer_ids, top_k=4)
+
+
+def build(kind, target):
+    spec, weights = target.spec, weights_of(target)
+    if kind == "medusa":
+        return MedusaHead(spec, weights, MedusaConfig(num_heads=3))
+    if kind == "eagle":
+        return EagleHead(spec, weights)
+    counts = torch.arange(spec.vocab_size).float()
+    d2t, t2d = draft_vocab_from_counts(counts, 200)
+    return Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=200), d2t, t2d)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+def test_objective_runs_and_backpropagates(tiny_target, features, kind):
+    torch.manual_seed(0)
+    head = build(kind, tiny_target)
+    weights = {
+        "medusa": LossWeights(ce=1.0, topk=0.5, topk_k=3),
+        "eagle": LossWeights(feature=1.0, soft_ce=0.1, topk=1.0, topk_k=3),
+        "eagle3": LossWeights(soft_ce=1.0, topk=0.5, topk_k=3),
+    }[kind]
+    objective = DraftObjective(weights, RolloutConfig(steps=2, step_weight_base=0.5), eval_steps=3)
+    out = objective(head, features, train=True)
+    assert torch.isfinite(out.loss)
+    out.loss.backward()
+    assert all(p.grad is not None for p in head.parameters())
+    evaluated = objective(head, features, train=False)
+    assert len(evaluated.counts) == 3
+    assert all(0.0 <= a <= 1.0 for a in evaluated.accuracy)
+    if kind != "medusa":
+        # Supervised: p+1 in the loss mask, p = 3..14 (rows 0, 1) and 3..9 (row 2); step j would
+        # drop p < j−1, none of which is supervised here.
+        assert evaluated.counts == [12 + 12 + 7] * 3
+        # The loss is Σ_j β^(j−1) loss_j over the TRAINED steps only.
+        expected = out.terms["step1/loss"] + 0.5 * out.terms["step2/loss"]
+        torch.testing.assert_close(out.loss.detach(), expected)
+    else:
+        # Head k supervises p when x_{p+2+k} is an assistant token: p = 2−k..13−k, 2−k..8−k.
+        assert evaluated.counts == [12 + 12 + 7] * 3
+
+
+def test_cached_and_recomputed_topk_agree(tiny_target, features):
+    head = build("eagle", tiny_target)
+    objective = DraftObjective(LossWeights(topk=1.0, topk_k=4), RolloutConfig(steps=1))
+    cached = objective(head, features).terms["step1/topk"]
+    features_without = type(features)(**{**vars(features), "topk_ids": None, "topk_probs": None})
+    recomputed = objective(head, features_without).terms["step1/topk"]
+    torch.testing.assert_close(cached, recomputed)
+    with pytest.raises(ValueError, match="top-4"):
+        DraftObjective(LossWeights(topk=1.0, topk_k=5), RolloutConfig())(head, features)
