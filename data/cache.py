@@ -325,6 +325,15 @@ class FeatureCache(torch.utils.data.Dataset):
             sample["topk_ids"] = sample["topk_ids"].long()
         return sample
 
+    def tokens(self, index: int) -> tuple[Tensor, Tensor]:
+        """(input_ids, loss_mask) of one sample, without reading its features."""
+        shard_index, start, end = self._locations[index]
+        handle = self._handle(shard_index)
+        return (
+            handle.get_slice("input_ids")[start:end].long(),
+            handle.get_slice("loss_mask")[start:end].long(),
+        )
+
     def _handle(self, shard_index: int):
         if shard_index not in self._handles:
             path = self.dir / f"{self.manifest['shards'][shard_index]['name']}.safetensors"

@@ -16,6 +16,7 @@ from functools import partial
 
 import lightning as L
 import torch
+from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from specdraft.data.cache import FeatureCache, StoredFields, collate_cached, tokenizer_fingerprint
@@ -76,6 +77,7 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         self.lengths, self.max_batch_tokens = list(lengths), max_batch_tokens
         self.shuffle, self.seed, self.num_replicas, self.rank = shuffle, seed, num_replicas, rank
         self.epoch = 0
+        self.skip = 0  # batches of this epoch already consumed (set when resuming mid-epoch)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -95,10 +97,33 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         return batches[:usable]
 
     def __iter__(self) -> Iterator[list[int]]:
-        return iter(self._all_batches()[self.rank :: self.num_replicas])
+        return iter(self._all_batches()[self.rank :: self.num_replicas][self.skip :])
 
     def __len__(self) -> int:
         return math.floor(len(self._all_batches()) / self.num_replicas)
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader over a :class:`LengthBucketBatchSampler` that Lightning can checkpoint
+    mid-epoch: its state is the number of batches of the current epoch handed to the training
+    loop, and a restored loader skips exactly those (without loading them) on its next pass."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._yielded, self._resume_skip = 0, 0
+
+    def __iter__(self):
+        self.batch_sampler.skip, self._resume_skip = self._resume_skip, 0
+        self._yielded = self.batch_sampler.skip
+        for batch in super().__iter__():
+            self._yielded += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batches_yielded": self._yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume_skip = int(state["batches_yielded"])
 
 
 class TokenizedDataset(Dataset):
@@ -188,6 +213,21 @@ class FeatureDataModule(L.LightningDataModule):
             )
             self.datasets[split] = TokenizedDataset(samples)
 
+    def assistant_token_counts(self) -> Tensor:
+        """V int64: how often each token occurs under the loss mask of the training split (what
+        EAGLE-3's reduced draft vocabulary is chosen from)."""
+        self.setup("fit")
+        dataset = self.datasets["train"]
+        counts = torch.zeros(self.target.spec.vocab_size, dtype=torch.long)
+        for index in range(len(dataset)):
+            if isinstance(dataset, FeatureCache):
+                input_ids, loss_mask = dataset.tokens(index)
+            else:
+                sample = dataset[index]
+                input_ids, loss_mask = torch.tensor(sample.input_ids), torch.tensor(sample.loss_mask)
+            counts += torch.bincount(input_ids[loss_mask.bool()], minlength=counts.numel())
+        return counts
+
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)
 
@@ -206,7 +246,7 @@ class FeatureDataModule(L.LightningDataModule):
             rank=trainer.global_rank if trainer else 0,
         )
         collate_fn = partial(collate_cached if self.mode == "cached" else collate, pad_token_id=self.pad_id)
-        return DataLoader(
+        return ResumableDataLoader(
             dataset,
             batch_sampler=sampler,
             collate_fn=collate_fn,
@@ -223,5 +263,14 @@ class FeatureDataModule(L.LightningDataModule):
         if isinstance(batch, TokenBatch):
             batch = extract_features(self.target, batch, self.fields.aux_layer_ids, top_k=self.fields.top_k)
         if training and self.noise is not None:
-            batch = self.noise(batch)
+            batch = self.noise(batch, self._noise_generator(batch.hidden.device))
         return batch
+
+    def _noise_generator(self, device: torch.device) -> torch.Generator | None:
+        """Noise seeded by (seed, rank, batches fetched so far): a resumed run draws the same noise
+        as an uninterrupted one (Lightning does not checkpoint the global RNG)."""
+        if self.trainer is None:
+            return None
+        fetched = self.trainer.fit_loop.epoch_loop.batch_progress.total.ready
+        seed = (self.seed * 1_000_003 + self.trainer.global_rank) * 1_000_003 + fetched
+        return torch.Generator(device).manual_seed(seed)

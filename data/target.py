@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from specdraft.data.assets import find_package_file
 from specdraft.data.atomic import file_sha256
 from specdraft.data.chat import end_of_turn_token_id
+from specdraft.heads.frozen import TargetWeights
 from specdraft.heads.spec import TargetSpec, default_aux_layer_ids
 
 log = logging.getLogger(__name__)
@@ -248,3 +249,20 @@ def _dequantise_gguf_to(gguf_path: Path, destination: Path, digest: str) -> None
             # A concurrent process finished the same cache first; keep its copy.
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def target_weights(target: Target) -> TargetWeights:
+    """The frozen tensors a draft head computes with (shared with the model, not copied)."""
+    model = target.model
+    decoder = model.get_decoder()
+    if not hasattr(decoder, "norm"):
+        raise ValueError(
+            f"target {target.spec.name}: its decoder has no final `norm` (not a Llama-style model)"
+        )
+    weights = TargetWeights(
+        embedding=model.get_input_embeddings().weight.detach(),
+        lm_head=model.get_output_embeddings().weight.detach(),
+        final_norm=decoder.norm.weight.detach(),
+    )
+    weights.check(target.spec)
+    return weights

@@ -8,12 +8,14 @@ id is one byte, so any text round-trips.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from specdraft.data.conversations import Conversation, ConversationSet, Message, ReadReport
 from specdraft.data.target import Target, build_target, resolve_dtype
 
 TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -106,3 +108,30 @@ def tiny_random_target(
         revision="in-memory",
         aux_layer_ids=aux_layer_ids,
     )
+
+
+def tiny_conversations(count: int = 64, seed: int = 0) -> ConversationSet:
+    """``count`` short synthetic chats (counting, repeating, spelling) with regular answers: a
+    conversation source for smoke runs and tests that needs no dataset package."""
+    generator = random.Random(seed)
+    words = ["draft", "target", "token", "head", "tree", "verify", "accept", "sample"]
+    conversations = []
+    for index in range(count):
+        task = index % 3
+        if task == 0:
+            start = generator.randint(1, 50)
+            stop = start + generator.randint(3, 12)
+            question, answer = (
+                f"Count from {start} to {stop}.",
+                ", ".join(map(str, range(start, stop + 1))) + ".",
+            )
+        elif task == 1:
+            word, times = generator.choice(words), generator.randint(2, 6)
+            question, answer = f"Repeat '{word}' {times} times.", " ".join([word] * times)
+        else:
+            word = generator.choice(words)
+            question, answer = f"Spell '{word}'.", "-".join(word.upper())
+        messages = (Message("user", question), Message("assistant", answer))
+        conversations.append(Conversation(f"tiny{index:04d}", messages))  # no "_k" part suffix
+    report = ReadReport(source=f"tiny_conversations(count={count}, seed={seed})", records=count, kept=count)
+    return ConversationSet(conversations, report)

@@ -1,0 +1,139 @@
+"""specdraft-train on the tiny target: every experiment, checkpoints, exact resume, DDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
+
+from specdraft.train.cli import train
+from specdraft.train.run_dir import RunDirError
+
+EXPERIMENTS = ["medusa", "eagle", "eagle3", "hass", "hass_eagle3"]
+
+
+def compose_train(run_dir: Path, *overrides: str):
+    """The real train config, composed as the CLI would, with its output dir set to ``run_dir``."""
+    with initialize_config_module("specdraft.conf", version_base="1.3"):
+        cfg = compose(
+            "train", overrides=[*overrides, f"paths.output_dir={run_dir}"], return_hydra_config=True
+        )
+    HydraConfig.instance().set_config(cfg)  # for ${hydra:runtime.choices.*}
+    with open_dict(cfg):
+        del cfg.hydra
+    return cfg
+
+
+def checkpoint(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_trains_validates_and_checkpoints(tmp_path, experiment):
+    cfg = compose_train(tmp_path, f"experiment={experiment}", "debug=smoke")
+    summary = train(cfg)
+    assert summary["global_step"] == cfg.trainer.max_steps
+    assert summary["best_sim_tau"] is not None and summary["best_sim_tau"] >= 1.0
+    assert set(summary["last_val"]) >= {"val/loss", "val/sim_tau", "val/acc_1", "val/acc_4"}
+    assert json.loads((tmp_path / "summary.json").read_text())["global_step"] == cfg.trainer.max_steps
+    ckpt = checkpoint(tmp_path / "checkpoints" / "last.ckpt")
+    record = ckpt["specdraft"]
+    assert record["kind"] == cfg.head.kind
+    assert record["target_spec"]["hidden_size"] == cfg.target.hidden_size
+    # Only the head's own weights: no frozen target tensor enters the checkpoint.
+    state = ckpt["state_dict"]
+    assert all(name.startswith("head.") for name in state)
+    assert not any("target_" in name for name in state)
+    metrics = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"train/loss", "val/sim_tau", "train/tokens_per_s", "train/acc_1"} <= set(metrics)
+    if experiment in ("eagle3", "hass_eagle3"):
+        # The tiny vocabulary (259) is smaller than the default 32k draft vocab: the full vocab is used.
+        assert record["config"]["draft_vocab_size"] is None
+        assert state["head.d2t"].numel() == 259
+
+
+def test_eagle3_reduced_draft_vocab_from_assistant_tokens(tmp_path):
+    cfg = compose_train(tmp_path, "experiment=eagle3", "debug=smoke", "head.config.draft_vocab_size=64")
+    train(cfg)
+    state = checkpoint(tmp_path / "checkpoints" / "last.ckpt")["state_dict"]
+    assert state["head.d2t"].numel() == 64 and int(state["head.t2d"].sum()) == 64
+    assert state["head.lm_head.weight"].shape == (64, 64)
+    # The synthetic answers are digits, letters and punctuation: those bytes must be in the vocab.
+    draft_ids = torch.arange(64) + state["head.d2t"]
+    assert (3 + ord("1")) in draft_ids.tolist() or ord("1") in draft_ids.tolist()
+
+
+def test_resume_continues_exactly(tmp_path):
+    """Stopping after 3 steps and re-running to 6 gives the same weights as 6 steps in one go:
+    same step, same batches (mid-epoch), same noise, same optimiser and schedule state."""
+    common = [
+        "experiment=hass",
+        "debug=smoke",
+        "callbacks.last_checkpoint.every_n_train_steps=1",
+        "scheduler.total_steps=6",  # the same schedule for both (it follows max_steps by default)
+    ]
+    straight = compose_train(tmp_path / "straight", *common, "trainer.max_steps=6")
+    train(straight)
+    first = compose_train(tmp_path / "resumed", *common, "trainer.max_steps=3")
+    assert train(first)["global_step"] == 3
+    second = compose_train(tmp_path / "resumed", *common, "trainer.max_steps=6")
+    summary = train(second)
+    assert summary["resumed_from"].endswith("last.ckpt") and summary["global_step"] == 6
+    a = checkpoint(tmp_path / "straight" / "checkpoints" / "last.ckpt")
+    b = checkpoint(tmp_path / "resumed" / "checkpoints" / "last.ckpt")
+    assert a["global_step"] == b["global_step"] == 6
+    for name, tensor in a["state_dict"].items():
+        torch.testing.assert_close(b["state_dict"][name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_a_changed_config_never_continues_an_old_run(tmp_path):
+    train(compose_train(tmp_path, "experiment=eagle", "debug=smoke", "trainer.max_steps=2"))
+    before = (tmp_path / "checkpoints" / "last.ckpt").read_bytes()
+    with pytest.raises(RunDirError, match=r"differs at: loss\.weights\.soft_ce"):
+        train(compose_train(tmp_path, "experiment=eagle", "debug=smoke", "loss.weights.soft_ce=0.5"))
+    with pytest.raises(RunDirError, match="resume=false"):
+        train(compose_train(tmp_path, "experiment=eagle", "debug=smoke", "resume=false"))
+    assert (tmp_path / "checkpoints" / "last.ckpt").read_bytes() == before
+
+
+def run_cli(*args: str, cwd: Path, env_extra: dict | None = None, timeout: int = 300):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env_extra or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "specdraft.train.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_cli_smoke(tmp_path):
+    result = run_cli("experiment=eagle3", "debug=smoke", f"paths.log_dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "train" / "smoke-eagle3-eagle3" / "summary.json").read_text())
+    assert summary["global_step"] == 6
+
+
+def test_ddp_two_processes_on_cpu(tmp_path):
+    result = run_cli(
+        "experiment=hass",
+        "debug=smoke",
+        "trainer=ddp",
+        "trainer.precision=32-true",
+        f"paths.log_dir={tmp_path}",
+        cwd=tmp_path,
+        env_extra={"OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "train" / "smoke-eagle-hass" / "summary.json").read_text())
+    assert summary["global_step"] == 6
+    assert "world_size=2" in result.stderr or "distributed_backend=gloo" in result.stderr

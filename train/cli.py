@@ -1,0 +1,131 @@
+"""``specdraft-train``: train a draft head on the frozen target's features (Hydra).
+
+    specdraft-train experiment=hass                           # EAGLE head + HASS on SmolLM2
+    specdraft-train experiment=eagle3 datamodule=cached \\
+        datamodule.train_cache=outputs/features/smol-train datamodule.val_cache=outputs/features/smol-heldout
+    specdraft-train experiment=medusa debug=smoke              # seconds, tiny target
+    specdraft-train -m hparams_search=hass_loss_weights        # local sweep, one run dir per point
+
+Re-running a command resumes its run dir (``${paths.log_dir}/train/${run_name}``) from
+``checkpoints/last.ckpt`` when the config matches (``train.run_dir``). The run ends with
+``summary.json``: best simulated τ and its checkpoint, the last validation metrics, throughput.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from specdraft.data.atomic import write_json_atomic
+from specdraft.data.datamodule import FeatureDataModule
+from specdraft.data.target import Target, target_weights
+from specdraft.heads.registry import build_head
+from specdraft.heads.vocab import draft_vocab_from_counts
+from specdraft.train.callbacks import ThroughputMonitor, peak_memory_bytes
+from specdraft.train.losses import LossWeights
+from specdraft.train.module import DraftHeadModule
+from specdraft.train.objective import DraftObjective
+from specdraft.train.rollout import RolloutConfig
+from specdraft.train.run_dir import RunDirError, prepare_run_dir
+
+log = logging.getLogger(__name__)
+
+
+@hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    try:
+        train(cfg)
+    except RunDirError as error:
+        raise SystemExit(f"specdraft-train: {error}") from None
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    run_dir = Path(cfg.paths.output_dir)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resume_from = prepare_run_dir(run_dir, resolved, cfg.resume, list(cfg.resume_ignore))
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    L.seed_everything(cfg.seed, workers=True)
+
+    target: Target = instantiate(cfg.target)
+    sources = {"conversations": instantiate(cfg.data.source)} if cfg.datamodule.mode == "online" else {}
+    datamodule: FeatureDataModule = instantiate(cfg.datamodule)(target=target, **sources)
+    head, record = build_training_head(cfg.head, target, datamodule)
+    objective = DraftObjective(
+        LossWeights(**cfg.loss.weights), RolloutConfig(**cfg.loss.rollout), cfg.loss.eval_steps
+    )
+    module = DraftHeadModule(
+        head,
+        objective,
+        optimizer=instantiate(cfg.optim),
+        scheduler=instantiate(cfg.scheduler) if cfg.scheduler else None,
+        head_record=record,
+    )
+    callbacks = [instantiate(callback) for callback in cfg.callbacks.values() if callback]
+    loggers = [instantiate(logger) for logger in cfg.logger.values() if logger] if cfg.logger else []
+    for logger in loggers:
+        logger.log_hyperparams(resolved)  # the resolved Hydra config is the run config
+    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    log.info("training %s (%s trainable parameters) in %s", record["kind"], f"{count(head):,}", run_dir)
+    if resume_from:
+        log.info("resuming from %s", resume_from)
+
+    started = time.perf_counter()
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
+    summary = run_summary(trainer, module, time.perf_counter() - started, resume_from)
+    if trainer.is_global_zero:
+        write_json_atomic(run_dir / "summary.json", summary)
+        log.info("summary: %s", summary)
+    return summary
+
+
+def build_training_head(head_cfg: DictConfig, target: Target, datamodule: FeatureDataModule):
+    """A fresh head for ``target`` and the record a checkpoint keeps to rebuild it. EAGLE-3's draft
+    vocabulary is chosen from the training split's assistant tokens (the full vocabulary when
+    the requested size is null or not smaller than the target's)."""
+    config = OmegaConf.to_container(head_cfg.config, resolve=True)
+    d2t = t2d = None
+    if head_cfg.kind == "eagle3":
+        size = config.get("draft_vocab_size")
+        if size is None or size >= target.spec.vocab_size:
+            config["draft_vocab_size"] = None
+        else:
+            d2t, t2d = draft_vocab_from_counts(datamodule.assistant_token_counts(), size)
+    head = build_head(head_cfg.kind, config, target.spec, target_weights(target), d2t, t2d)
+    record = {"kind": head_cfg.kind, "config": config, "target_spec": target.spec.to_dict()}
+    return head, record
+
+
+def count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def run_summary(trainer: L.Trainer, module: DraftHeadModule, seconds: float, resumed: str | None) -> dict:
+    best = next((c for c in trainer.checkpoint_callbacks if c.monitor == "val/sim_tau"), None)
+    throughput = next((c for c in trainer.callbacks if isinstance(c, ThroughputMonitor)), None)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    return {
+        "kind": module.head_record.get("kind"),
+        "global_step": trainer.global_step,
+        "resumed_from": resumed,
+        "best_sim_tau": float(best.best_model_score) if best and best.best_model_score is not None else None,
+        "best_checkpoint": best.best_model_path if best else None,
+        "last_val": metrics,
+        "tokens_seen": module.tokens_seen,
+        "fit_seconds": seconds,
+        "train_tokens_per_s": throughput.tokens_per_second if throughput else None,
+        "peak_memory_gb": peak_memory_bytes(module.device) / 2**30,
+        "trainable_parameters": count(module.head),
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The LightningModule: a plain draft-head nn.Module, its objective, its optimiser.
+
+The frozen target is not a sub-module: the DataModule runs it (online) or reads its cached
+features, and the head holds only non-persistent views of its embedding / lm_head. So a
+checkpoint holds the head's trained weights (+ the optimiser), the head's kind and config, and
+the TargetSpec it was trained for, never the target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+from specdraft.data.features import FeatureBatch
+from specdraft.train.objective import DraftObjective, ObjectiveOutput, simulated_tau
+
+CHECKPOINT_KEY = "specdraft"
+
+
+class DraftHeadModule(L.LightningModule):
+    """Trains ``head`` on FeatureBatches with ``objective``.
+
+    optimizer: partial taking the parameters; scheduler: partial taking the optimiser (or None),
+    stepped every optimiser step. head_record: what a checkpoint needs to rebuild the head
+    (``{"kind", "config", "target_spec"}``), stored under ``checkpoint["specdraft"]``.
+
+    Logged: ``train/loss``, ``train/step{j}/{term}``, ``train/acc_{j}``; ``val/loss``,
+    ``val/acc_{j}`` and ``val/sim_tau`` = 1 + Σ_k Π_{i≤k} acc_i over the whole validation set,
+    ``train/tokens`` (real tokens seen).
+    """
+
+    def __init__(
+        self,
+        head: nn.Module,
+        objective: DraftObjective,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., Any] | None = None,
+        head_record: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.head, self.objective = head, objective
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        self.head_record = head_record or {}
+        self._val: dict[str, Any] = {}
+        self.tokens_seen = 0
+
+    def _compute_dtype_batch(self, batch: FeatureBatch) -> FeatureBatch:
+        # Under bf16-mixed autocast takes bf16 features as they are; full-precision training
+        # needs the target's (possibly bf16) features in the head's parameter dtype.
+        if torch.is_autocast_enabled(batch.hidden.device.type):
+            return batch
+        dtype = next(self.head.parameters()).dtype
+        for name in ("hidden", "aux", "input_hidden"):
+            value = getattr(batch, name)
+            if value is not None and value.dtype != dtype:
+                setattr(batch, name, value.to(dtype))
+        return batch
+
+    def training_step(self, batch: FeatureBatch, batch_index: int) -> Tensor:
+        out = self.objective(self.head, self._compute_dtype_batch(batch), train=True)
+        size = batch.input_ids.shape[0]
+        self.tokens_seen += int(batch.attention_mask.sum())
+        self.log("train/loss", out.loss, prog_bar=True, batch_size=size)
+        self.log_dict({f"train/{name}": value for name, value in out.terms.items()}, batch_size=size)
+        for j, acc in enumerate(out.accuracy, start=1):
+            self.log(f"train/acc_{j}", acc, batch_size=size)
+        self.log("train/tokens", float(self.tokens_seen), batch_size=size, reduce_fx="max")
+        return out.loss
+
+    def on_validation_epoch_start(self) -> None:
+        self._val = {"loss": 0.0, "batches": 0, "matches": None, "counts": None}
+
+    def validation_step(self, batch: FeatureBatch, batch_index: int) -> None:
+        out: ObjectiveOutput = self.objective(self.head, self._compute_dtype_batch(batch), train=False)
+        state = self._val
+        state["loss"] += float(out.loss)
+        state["batches"] += 1
+        matches, counts = (
+            torch.tensor(out.matches, dtype=torch.float64),
+            torch.tensor(out.counts, dtype=torch.float64),
+        )
+        state["matches"] = matches if state["matches"] is None else state["matches"] + matches
+        state["counts"] = counts if state["counts"] is None else state["counts"] + counts
+
+    def on_validation_epoch_end(self) -> None:
+        state = self._val
+        if not state.get("batches"):
+            return
+        # Sum over every rank's validation batches before dividing.
+        totals = torch.cat(
+            [
+                torch.tensor([state["loss"], state["batches"]], dtype=torch.float64),
+                state["matches"],
+                state["counts"],
+            ]
+        ).to(self.device)
+        totals = self.trainer.strategy.reduce(totals, reduce_op="sum").cpu()
+        steps = len(state["matches"])
+        loss, batches = float(totals[0]), float(totals[1])
+        matches, counts = totals[2 : 2 + steps], totals[2 + steps :]
+        accuracy = [float(m / c) if c else 0.0 for m, c in zip(matches, counts, strict=True)]
+        metrics = {"val/loss": loss / batches}
+        metrics.update({f"val/acc_{j}": acc for j, acc in enumerate(accuracy, start=1)})
+        self.log_dict(metrics)
+        self.log("val/sim_tau", simulated_tau(accuracy), prog_bar=True)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = self.optimizer_factory(params=[p for p in self.head.parameters() if p.requires_grad])
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer=optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[CHECKPOINT_KEY] = {**self.head_record, "tokens_seen": self.tokens_seen}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.tokens_seen = int(checkpoint.get(CHECKPOINT_KEY, {}).get("tokens_seen", 0))
