@@ -302,6 +302,16 @@ class FeatureCache(torch.utils.data.Dataset):
                 (shard_index, offsets[i], offsets[i + 1]) for i in range(shard["num_samples"])
             ]
         self._handles: dict[int, Any] = {}
+        # Read only what training asked for: a cache written with more fields serves every head.
+        self._skip: set[str] = set()
+        self._top_k = None
+        if expect_fields is not None:
+            if not expect_fields.aux_layer_ids:
+                self._skip.add("aux")
+            if expect_fields.top_k == 0:
+                self._skip |= {"topk_ids", "topk_probs"}
+            else:
+                self._top_k = expect_fields.top_k
 
     def __len__(self) -> int:
         return len(self._locations)
@@ -318,7 +328,11 @@ class FeatureCache(torch.utils.data.Dataset):
         shard_index, start, end = self._locations[index]
         handle = self._handle(shard_index)
         names = handle.keys()  # safe_open handles are not iterable
-        sample = {name: handle.get_slice(name)[start:end] for name in names if name != "offsets"}
+        wanted = [name for name in names if name != "offsets" and name not in self._skip]
+        sample = {name: handle.get_slice(name)[start:end] for name in wanted}
+        if self._top_k is not None:
+            sample["topk_ids"] = sample["topk_ids"][:, : self._top_k]
+            sample["topk_probs"] = sample["topk_probs"][:, : self._top_k]
         sample["input_ids"] = sample["input_ids"].long()
         sample["loss_mask"] = sample["loss_mask"].long()
         if "topk_ids" in sample:
@@ -384,8 +398,11 @@ def check_target_matches(manifest: dict[str, Any], spec: TargetSpec, where: str)
 
 
 def _check_fields(manifest: dict[str, Any], fields: StoredFields, where: str) -> None:
+    """The cache must hold the requested aux layers (exactly) and at least the requested top-k;
+    fields it holds beyond those are fine (they are not read)."""
     cached = manifest["fields"]
-    if tuple(cached["aux_layer_ids"]) != fields.aux_layer_ids or cached["top_k"] < fields.top_k:
+    aux_mismatch = fields.aux_layer_ids and tuple(cached["aux_layer_ids"]) != fields.aux_layer_ids
+    if aux_mismatch or cached["top_k"] < fields.top_k:
         raise CacheError(
             f"{where} stores aux_layer_ids={cached['aux_layer_ids']} top_k={cached['top_k']}, "
             f"but aux_layer_ids={list(fields.aux_layer_ids)} top_k={fields.top_k} are needed"

@@ -232,3 +232,13 @@ def test_cache_dataset_pickles_for_workers(tmp_path, tiny_target):
     first = cache[3]
     clone = pickle.loads(pickle.dumps(cache))
     assert all(torch.equal(first[k], clone[3][k]) for k in first)
+
+
+def test_a_cache_with_more_fields_serves_a_head_that_needs_fewer(tmp_path, tiny_target):
+    write(tiny_target, samples_for(tiny_target), tmp_path)
+    full = FeatureCache(tmp_path, expect_fields=FIELDS)[0]
+    fewer = FeatureCache(tmp_path, expect_fields=StoredFields((), 2), verify=False)[0]
+    assert "aux" not in fewer and fewer["topk_ids"].shape[-1] == 2
+    assert torch.equal(fewer["topk_ids"], full["topk_ids"][:, :2])
+    assert torch.equal(fewer["hidden"], full["hidden"])
+    assert "topk_ids" not in FeatureCache(tmp_path, expect_fields=StoredFields((), 0), verify=False)[0]
