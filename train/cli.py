@@ -30,6 +30,7 @@ from specdraft.data.target import Target, target_weights
 from specdraft.heads.registry import build_head
 from specdraft.heads.vocab import draft_vocab_from_counts
 from specdraft.train.callbacks import ThroughputMonitor, peak_memory_bytes
+from specdraft.train.loggers import finish_loggers
 from specdraft.train.losses import LossWeights
 from specdraft.train.module import DraftHeadModule
 from specdraft.train.objective import DraftObjective
@@ -81,6 +82,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     started = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
     summary = run_summary(trainer, module, time.perf_counter() - started, resume_from)
+    if cfg.validate_at_end:
+        # The final weights on the whole validation set (a time-limited run stops between checks).
+        trainer.limit_val_batches = 1.0
+        final = trainer.validate(module, datamodule=datamodule, verbose=False)
+        summary["final_val"] = {k: float(v) for k, v in final[0].items()} if final else {}
+    finish_loggers(loggers)
     if trainer.is_global_zero:
         write_json_atomic(run_dir / "summary.json", summary)
         log.info("summary: %s", summary)

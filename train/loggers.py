@@ -58,3 +58,11 @@ def wandb_logger(
         tags=list(tags),
         entity=entity,
     )
+
+
+def finish_loggers(loggers: Sequence[object]) -> None:
+    """Close W&B runs: a Hydra multirun trains several runs in one process, and a W&B run left
+    open would swallow the next one's metrics."""
+    for logger in loggers:
+        if isinstance(logger, WandbLogger) and logger._experiment is not None:
+            logger.experiment.finish()

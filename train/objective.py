@@ -6,7 +6,8 @@ ahead). The step weights are β^(j−1) (HASS alignment, EAGLE-3's 0.8^j) or γ^
 one ``step_weight_base``.
 
 The target's next-token distribution is recomputed from its last hidden state through its frozen
-lm_head (no grad), once per batch. HASS Top-K uses the cached top-k when the batch has one and the
+lm_head (no grad) inside :func:`specdraft.train.fused.fused_vocab_losses`, which evaluates every
+vocabulary-sized term chunk by chunk. HASS Top-K uses the cached top-k when the batch has one and the
 recomputed distribution otherwise. acc_j is the top-1 match between the draft and the target's
 argmax at the supervised positions; simulated τ = 1 + Σ_k Π_{i≤k} acc_i (DESIGN §3).
 """
@@ -20,7 +21,8 @@ from torch import Tensor
 
 from specdraft.data.features import FeatureBatch
 from specdraft.heads import Eagle3Head, FeatureHead, MedusaHead
-from specdraft.train.losses import LossWeights, step_loss
+from specdraft.train.fused import DEFAULT_CHUNK_SIZE, TERMS, fused_vocab_losses, target_topk
+from specdraft.train.losses import LossWeights, feature_regression
 from specdraft.train.rollout import RolloutConfig, rollout, shift_left
 
 
@@ -54,11 +56,20 @@ class DraftObjective:
 
     weights: loss-term weights; rollout: steps / step weights / detach for training;
     eval_steps: steps evaluated (for acc_j and simulated τ) when ``train=False``, at least
-    ``rollout.steps``; Medusa always evaluates all its heads.
+    ``rollout.steps`` (steps beyond the trained ones are measured, not added to the loss);
+    Medusa always evaluates all its heads. chunk_size: positions per vocabulary chunk.
     """
 
-    def __init__(self, weights: LossWeights, rollout: RolloutConfig, eval_steps: int = 4) -> None:
-        self.weights, self.rollout, self.eval_steps = weights, rollout, max(eval_steps, rollout.steps)
+    def __init__(
+        self,
+        weights: LossWeights,
+        rollout: RolloutConfig,
+        eval_steps: int = 4,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> None:
+        self.weights, self.rollout = weights, rollout
+        self.eval_steps, self.chunk_size = max(eval_steps, rollout.steps), chunk_size
+        self.active = [name for name in TERMS if getattr(weights, name) > 0]
 
     def __call__(self, head: torch.nn.Module, batch: FeatureBatch, train: bool = True) -> ObjectiveOutput:
         if isinstance(head, MedusaHead):
@@ -67,11 +78,11 @@ class DraftObjective:
             return self._feature_head(head, batch, self.rollout.steps if train else self.eval_steps)
         raise TypeError(f"no objective for head type {type(head).__name__}")
 
-    def _target_topk(
-        self, batch: FeatureBatch, b: Tensor, p: Tensor, target_probs: Tensor
-    ) -> tuple[Tensor, Tensor]:
+    def _target_topk(self, batch: FeatureBatch, b: Tensor, p: Tensor, head, target_hidden: Tensor):
         """The target's top-K (ids, probs) N×K at positions (b, p): cached, else recomputed."""
         k = self.weights.topk_k
+        if self.weights.topk <= 0:
+            return None, None
         if batch.topk_ids is not None:
             if batch.topk_ids.shape[-1] < k:
                 raise ValueError(
@@ -79,24 +90,30 @@ class DraftObjective:
                     " (raise datamodule.top_k / the cache's top_k)"
                 )
             return batch.topk_ids[b, p, :k], batch.topk_probs[b, p, :k]
-        probs, ids = target_probs.topk(k, dim=-1)
-        return ids, probs
+        return target_topk(target_hidden, head.target_lm_head, k, self.chunk_size)
 
-    def _combine(
-        self, steps: list[dict[str, Tensor]], trained: int, output: ObjectiveOutput
+    def _output(
+        self, fused, feature_terms: list[Tensor | None], step_weights: list[float]
     ) -> ObjectiveOutput:
-        total = torch.zeros(())
-        for j, terms in enumerate(steps, start=1):
-            for name, value in terms.items():
-                output.terms[f"step{j}/{name}"] = value.detach()
-            if j <= trained:
-                total = total.to(terms["loss"].device) + self.rollout.step_weight(j) * terms["loss"]
-        output.loss = total
+        output = ObjectiveOutput(
+            loss=fused.loss, matches=fused.matches.tolist(), counts=fused.counts.tolist()
+        )
+        coefficients = [getattr(self.weights, name) for name in TERMS]
+        for j, step_terms in enumerate(fused.terms, start=1):
+            step_loss = sum(c * v for c, v in zip(coefficients, step_terms.tolist(), strict=True))
+            for name in self.active:
+                output.terms[f"step{j}/{name}"] = step_terms[TERMS.index(name)]
+            feature = feature_terms[j - 1]
+            if feature is not None:
+                output.terms[f"step{j}/feature"] = feature.detach()
+                step_loss += self.weights.feature * float(feature.detach())
+                if step_weights[j - 1] > 0:
+                    output.loss = output.loss + step_weights[j - 1] * self.weights.feature * feature
+            output.terms[f"step{j}/loss"] = torch.tensor(step_loss)
         return output
 
     def _feature_head(self, head: FeatureHead, batch: FeatureBatch, steps: int) -> ObjectiveOutput:
         weights = self.weights
-        reduced_vocab = isinstance(head, Eagle3Head) and head.draft_vocab_size != head.spec.vocab_size
         inputs = batch.input_hidden if batch.input_hidden is not None else batch.hidden
         features = head.initial_features(inputs, batch.aux)
         config = RolloutConfig(steps, self.rollout.step_weight_base, self.rollout.detach)
@@ -106,88 +123,83 @@ class DraftObjective:
         # feature f_{p+1} and next-token distribution p_{p+1} are what every step predicts.
         supervised = (shift_left(batch.loss_mask) * shift_left(batch.attention_mask)).bool()
         b, p = supervised.nonzero(as_tuple=True)
-        with torch.no_grad():
-            target_features = batch.hidden[b, p + 1]
-            target_logits = head.target_logits(target_features).float()
-            target_argmax = target_logits.argmax(-1)
-            full_probs = target_logits.softmax(-1)
-            topk_ids = topk_probs = None
-            if weights.topk > 0:
-                topk_ids, topk_probs = self._target_topk(batch, b, p + 1, full_probs)
-            keep = torch.ones_like(p, dtype=torch.bool)
-            target_probs = full_probs
-            if reduced_vocab:
-                # EAGLE-3: the target distribution restricted to (and renormalised over) the draft
-                # vocabulary; positions whose target argmax the draft cannot propose are skipped.
-                target_probs = target_logits[
-                    :, head.d2t + torch.arange(head.draft_vocab_size, device=p.device)
-                ]
-                target_probs = target_probs.softmax(-1)
-                keep = head.t2d[target_argmax]
-                if topk_ids is not None:
-                    topk_ids = head.target_to_draft[topk_ids]
-            labels = None
-            if weights.ce > 0:
-                labels = shift_left(shift_left(batch.input_ids))[b, p]
-                valid = shift_left(shift_left(batch.attention_mask))[b, p].bool()
-                if reduced_vocab:
-                    labels = head.target_to_draft[labels]
-                labels = labels.masked_fill(~valid, -1)
-
-        per_step, output = [], ObjectiveOutput(loss=torch.zeros(()))
-        for j, out in enumerate(outputs, start=1):
-            select = p >= j - 1  # step j needs j−1 positions of target context before it
-            predicted = out[b[select], p[select]]
-            draft_logits = head.logits(predicted)
-            train_select = keep[select]
-
-            def pick(x: Tensor | None, sel=select, tsel=train_select) -> Tensor | None:
-                return None if x is None else x[sel][tsel]
-
-            per_step.append(
-                step_loss(
-                    weights,
-                    draft_logits[train_select],
-                    target_probs=pick(target_probs),
-                    topk_ids=pick(topk_ids),
-                    topk_probs=pick(topk_probs),
-                    labels=pick(labels),
-                    predicted_features=predicted[train_select] if weights.feature > 0 else None,
-                    target_features=pick(target_features),
-                )
+        target_hidden = batch.hidden[b, p + 1]
+        # Step j needs j−1 positions of target context before it.
+        valid = torch.stack([p >= j - 1 for j in range(1, steps + 1)])
+        step_weights = [
+            self.rollout.step_weight(j) if j <= self.rollout.steps else 0.0 for j in range(1, steps + 1)
+        ]
+        predicted = torch.stack([out[b, p] for out in outputs])  # S×N×H
+        labels = None
+        if weights.ce > 0:
+            labels = shift_left(shift_left(batch.input_ids))[b, p]
+            labels = labels.masked_fill(~shift_left(shift_left(batch.attention_mask))[b, p].bool(), -1)
+        topk_ids, topk_probs = self._target_topk(batch, b, p + 1, head, target_hidden)
+        if isinstance(head, Eagle3Head) and head.draft_vocab_size != head.spec.vocab_size:
+            vocab = head.d2t + torch.arange(head.draft_vocab_size, device=p.device)
+            projection_input, projection, maps = (
+                head.norm(predicted),
+                head.lm_head.weight,
+                (vocab, head.target_to_draft),
             )
-            with torch.no_grad():
-                drafted = head.draft_to_target(draft_logits.argmax(-1))
-                output.matches.append(int((drafted == target_argmax[select]).sum()))
-            output.counts.append(int(select.sum()))
-        return self._combine(per_step, self.rollout.steps, output)
+        elif isinstance(head, Eagle3Head):
+            projection_input, projection, maps = head.norm(predicted), head.lm_head.weight, (None, None)
+        else:
+            projection_input, projection, maps = predicted, head.target_lm_head, (None, None)
+        fused = fused_vocab_losses(
+            projection_input,
+            projection,
+            target_hidden,
+            head.target_lm_head,
+            valid,
+            step_weights,
+            weights,
+            *maps,
+            topk_ids,
+            topk_probs,
+            labels,
+            self.chunk_size,
+        )
+        features_loss = [
+            feature_regression(predicted[j][valid[j]], target_hidden[valid[j]])
+            if weights.feature > 0
+            else None
+            for j in range(steps)
+        ]
+        return self._output(fused, features_loss, step_weights)
 
     def _medusa(self, head: MedusaHead, batch: FeatureBatch) -> ObjectiveOutput:
-        weights = self.weights
-        per_step, output = [], ObjectiveOutput(loss=torch.zeros(()))
+        per_head = []
         for k in range(head.num_heads):
             # Head k at p predicts x_{p+2+k}; the target's distribution for it is p_{p+1+k}.
             ahead = 2 + k
             supervised = (batch.loss_mask[:, ahead:] * batch.attention_mask[:, ahead:]).bool()
             b, p = supervised.nonzero(as_tuple=True)
-            draft_logits = head.head_logits(batch.hidden[b, p], k)
-            with torch.no_grad():
-                target_logits = head.target_logits(batch.hidden[b, p + ahead - 1]).float()
-                full_probs = target_logits.softmax(-1)
-                topk_ids = topk_probs = None
-                if weights.topk > 0:
-                    topk_ids, topk_probs = self._target_topk(batch, b, p + ahead - 1, full_probs)
-            per_step.append(
-                step_loss(
-                    weights,
-                    draft_logits,
-                    target_probs=full_probs,
+            hidden = head.blocks[k](batch.hidden[b, p]).unsqueeze(0)
+            projection = head.lm_heads[k].weight if head.config.own_lm_head else head.target_lm_head
+            target_hidden = batch.hidden[b, p + ahead - 1]
+            topk_ids, topk_probs = self._target_topk(batch, b, p + ahead - 1, head, target_hidden)
+            per_head.append(
+                fused_vocab_losses(
+                    hidden,
+                    projection,
+                    target_hidden,
+                    head.target_lm_head,
+                    torch.ones(1, p.numel(), dtype=torch.bool, device=p.device),
+                    [self.rollout.step_weight(k + 1)],
+                    self.weights,
                     topk_ids=topk_ids,
                     topk_probs=topk_probs,
                     labels=batch.input_ids[b, p + ahead],
+                    chunk_size=self.chunk_size,
                 )
             )
-            with torch.no_grad():
-                output.matches.append(int((draft_logits.argmax(-1) == target_logits.argmax(-1)).sum()))
-            output.counts.append(int(p.numel()))
-        return self._combine(per_step, head.num_heads, output)
+        fused = type(per_head[0])(
+            loss=sum(f.loss for f in per_head),
+            terms=torch.cat([f.terms for f in per_head]),
+            matches=torch.cat([f.matches for f in per_head]),
+            counts=torch.cat([f.counts for f in per_head]),
+        )
+        return self._output(
+            fused, [None] * head.num_heads, [self.rollout.step_weight(k + 1) for k in range(head.num_heads)]
+        )

@@ -23,18 +23,18 @@ class RunDirError(RuntimeError):
     pass
 
 
-def _flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+def flatten_config(config: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(config, dict):
         flat: dict[str, Any] = {}
         for key, value in config.items():
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten_config(value, f"{prefix}{key}."))
         return flat or {prefix[:-1]: {}}
     return {prefix[:-1]: config}
 
 
 def config_differences(stored: dict[str, Any], current: dict[str, Any], ignore: list[str]) -> list[str]:
     """Dotted keys whose values differ, except keys equal to or under an ``ignore`` entry."""
-    a, b = _flatten(stored), _flatten(current)
+    a, b = flatten_config(stored), flatten_config(current)
 
     ignore = [*ignore, "resume_ignore"]
 

@@ -1,0 +1,143 @@
+"""The fused, chunked vocabulary losses equal the reference terms of losses.py, values and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.heads.vocab import draft_vocab_from_counts, target_to_draft_index
+from specdraft.train.fused import TERMS, fused_vocab_losses
+from specdraft.train.losses import LossWeights, step_loss
+
+
+def reference(
+    hidden,
+    weight,
+    target_hidden,
+    target_weight,
+    valid,
+    step_weights,
+    weights,
+    vocab,
+    t2d_index,
+    topk_ids,
+    topk_probs,
+    labels,
+):
+    """The unfused computation: full N×V logits, losses.step_loss, autograd."""
+    target_logits = target_hidden @ target_weight.T
+    argmax = target_logits.argmax(-1)
+    keep = torch.ones_like(argmax, dtype=torch.bool)
+    if vocab is not None:
+        target_logits = target_logits[:, vocab]
+        keep = t2d_index[argmax] >= 0
+        topk_ids = t2d_index[topk_ids]
+        labels = torch.where(labels >= 0, t2d_index[labels.clamp(min=0)], -1)
+    p = target_logits.softmax(-1)
+    total, values, matches = 0, [], []
+    for j in range(hidden.shape[0]):
+        rows = valid[j] & keep
+        logits = hidden[j] @ weight.T
+        terms = step_loss(
+            weights,
+            logits[rows],
+            target_probs=p[rows],
+            topk_ids=topk_ids[rows],
+            topk_probs=topk_probs[rows],
+            labels=labels[rows],
+        )
+        total = total + step_weights[j] * terms["loss"]
+        values.append([terms[name].item() if name in terms else None for name in TERMS])
+        drafted = logits.argmax(-1) if vocab is None else vocab[logits.argmax(-1)]
+        matches.append(int(((drafted == argmax) & valid[j]).sum()))
+    return total, values, matches
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+@pytest.mark.parametrize("chunk_size", [3, 64])
+def test_fused_equals_reference(reduced, chunk_size):
+    torch.manual_seed(0)
+    steps, n, h, vocab_size, k = 3, 20, 8, 30, 4
+    dtype = torch.float64
+    hidden = torch.randn(steps, n, h, dtype=dtype, requires_grad=True)
+    target_hidden = torch.randn(n, h, dtype=dtype)
+    target_weight = torch.randn(vocab_size, h, dtype=dtype)
+    vocab = t2d_index = None
+    draft_size = vocab_size
+    if reduced:
+        d2t, t2d = draft_vocab_from_counts(torch.rand(vocab_size), 12)
+        vocab, t2d_index, draft_size = torch.arange(12) + d2t, target_to_draft_index(t2d), 12
+    weight = torch.randn(draft_size, h, dtype=dtype, requires_grad=True)
+    valid = torch.rand(steps, n) > 0.2
+    topk_probs, topk_ids = (target_hidden @ target_weight.T).softmax(-1).topk(k, dim=-1)
+    labels = torch.randint(0, vocab_size, (n,))
+    labels[::5] = -1
+    weights = LossWeights(soft_ce=0.3, forward_kl=0.2, topk=1.5, topk_k=k, ce=0.7)
+    step_weights = [1.0, 0.5, 0.25]
+
+    expected, values, matches = reference(
+        hidden,
+        weight,
+        target_hidden,
+        target_weight,
+        valid,
+        step_weights,
+        weights,
+        vocab,
+        t2d_index,
+        topk_ids,
+        topk_probs,
+        labels,
+    )
+    expected_grads = torch.autograd.grad(expected, [hidden, weight])
+    out = fused_vocab_losses(
+        hidden,
+        weight,
+        target_hidden,
+        target_weight,
+        valid,
+        step_weights,
+        weights,
+        vocab,
+        t2d_index,
+        topk_ids,
+        topk_probs,
+        labels,
+        chunk_size=chunk_size,
+    )
+    grads = torch.autograd.grad(out.loss * 2.0, [hidden, weight])  # the upstream gradient is applied
+    torch.testing.assert_close(out.loss.double(), expected.double(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        out.terms.double(), torch.tensor(values, dtype=torch.float64), rtol=1e-5, atol=1e-6
+    )
+    assert out.matches.tolist() == matches
+    assert out.counts.tolist() == valid.sum(-1).tolist()
+    for got, want in zip(grads, expected_grads, strict=True):
+        # losses.py computes its softmaxes in fp32: agreement to fp32 rounding.
+        torch.testing.assert_close(got, 2.0 * want, rtol=1e-5, atol=1e-6)
+
+
+def test_frozen_projection_gets_no_gradient():
+    hidden = torch.randn(1, 5, 4, requires_grad=True)
+    weight = torch.randn(7, 4)
+    out = fused_vocab_losses(
+        hidden,
+        weight,
+        torch.randn(5, 4),
+        torch.randn(7, 4),
+        torch.ones(1, 5, dtype=torch.bool),
+        [1.0],
+        LossWeights(soft_ce=1.0),
+    )
+    out.loss.backward()
+    assert hidden.grad is not None and weight.grad is None
+    with pytest.raises(ValueError, match="'topk' has weight"):
+        fused_vocab_losses(
+            hidden,
+            weight,
+            torch.randn(5, 4),
+            torch.randn(7, 4),
+            torch.ones(1, 5, dtype=torch.bool),
+            [1.0],
+            LossWeights(topk=1.0),
+        )

@@ -1,0 +1,98 @@
+"""Sweeps: Hydra multirun → report PNGs; the W&B sweep matches the Hydra one; W&B never blocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specdraft.train.loggers import has_wandb_credentials, wandb_mode
+from specdraft.train.sweep_report import write_report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wandb_sweep_matches_the_hydra_search():
+    hydra_search = yaml.safe_load((ROOT / "conf/hparams_search/hass_loss_weights.yaml").read_text())
+    grid = {
+        key: [yaml.safe_load(v) for v in str(values).split(",")]
+        for key, values in hydra_search["hydra"]["sweeper"]["params"].items()
+    }
+    wandb_sweep = yaml.safe_load((ROOT / "scripts/sweeps/hass_loss_weights.yaml").read_text())
+    assert {k: v["values"] for k, v in wandb_sweep["parameters"].items()} == grid
+    assert wandb_sweep["metric"] == {"name": "val/sim_tau", "goal": "maximize"}
+    assert "${args_no_hyphens}" in wandb_sweep["command"]  # Hydra overrides, not --flags
+    assert "hparams_search=wandb_point" in wandb_sweep["command"]
+
+
+def test_wandb_mode_is_offline_without_credentials(tmp_path, monkeypatch):
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert not has_wandb_credentials()
+    assert wandb_mode("auto") == "offline"
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password secret\n")
+    assert has_wandb_credentials() and wandb_mode("auto") == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert wandb_mode("auto") == "disabled"
+    with pytest.raises(ValueError, match="auto, online or offline"):
+        wandb_mode("sometimes")
+
+
+def test_multirun_over_two_loss_weights_gives_a_report(tmp_path):
+    env = {
+        **os.environ,
+        "PYTHONWARNINGS": "ignore",
+        "WANDB_MODE": "offline",
+        "WANDB_API_KEY": "",
+        "NETRC": str(tmp_path / "no-netrc"),
+        "WANDB_SILENT": "true",
+    }
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specdraft.train.cli",
+            "-m",
+            "experiment=hass",
+            "debug=smoke",
+            "logger=wandb",
+            "trainer.max_steps=3",
+            "loss.weights.topk=0.0,1.0",
+            "loss.rollout.step_weight_base=0.5,1.0",
+            f"paths.log_dir={tmp_path}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    sweep = tmp_path / "sweeps" / "smoke-eagle-hass"
+    runs = sorted(p.name for p in sweep.iterdir())
+    assert runs == [
+        f"loss.rollout.step_weight_base={b},loss.weights.topk={w}"
+        for b in ("0.5", "1.0")
+        for w in ("0.0", "1.0")
+    ]
+    # W&B ran offline inside each run dir (no network, no key).
+    assert list(sweep.glob("*/wandb/offline-run-*"))
+    report = write_report([sweep], tmp_path / "report")
+    assert report["swept"] == ["loss.rollout.step_weight_base", "loss.weights.topk"]
+    assert len(report["runs"]) == 4 and all(row["val/sim_tau"] >= 1.0 for row in report["runs"])
+    for plot in report["plots"]:
+        assert Path(plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "report" / "runs.json").read_text())["metric"] == "val/sim_tau"
+    # The W&B offline records alone (without our run dirs' files) give the same runs.
+    for run in sweep.iterdir():
+        for name in ("run_config.yaml", "summary.json"):
+            (run / name).unlink()
+    wandb_only = write_report([sweep], tmp_path / "report-wandb")
+    assert len(wandb_only["runs"]) == 4
+    assert "loss.weights.topk" in wandb_only["swept"]
