@@ -42,3 +42,22 @@ def build_head(
     if d2t is not None or t2d is not None:
         raise ValueError(f"head {kind} predicts over the full target vocabulary: d2t/t2d are EAGLE-3 only")
     return head_class(spec, weights, head_config)
+
+
+def head_from_state(
+    kind: str,
+    config: dict[str, Any],
+    spec: TargetSpec,
+    weights: TargetWeights,
+    state_dict: dict[str, torch.Tensor],
+) -> nn.Module:
+    """Rebuild a trained head from its kind, config and ``state_dict`` (strict: a missing or
+    unexpected key is an error, never a silently random weight)."""
+    d2t = t2d = None
+    if kind == "eagle3" and dict(config).get("draft_vocab_size") is not None:
+        if "d2t" not in state_dict or "t2d" not in state_dict:
+            raise ValueError("an EAGLE-3 head with a reduced draft vocabulary needs d2t and t2d in its state")
+        d2t, t2d = state_dict["d2t"], state_dict["t2d"]
+    head = build_head(kind, config, spec, weights, d2t, t2d)
+    head.load_state_dict(state_dict, strict=True)
+    return head

@@ -134,3 +134,27 @@ def test_weights_of_the_wrong_shape_are_refused(spec, weights):
     other = replace(spec, vocab_size=spec.vocab_size + 1)
     with pytest.raises(ValueError, match="embedding has shape"):
         EagleHead(other, weights)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+def test_head_rebuilds_from_its_state(spec, weights, kind):
+    from specdraft.heads.registry import build_head, head_from_state
+
+    config = {"medusa": {"num_heads": 2}, "eagle": {"fc_bias": True}, "eagle3": {"draft_vocab_size": 50}}[
+        kind
+    ]
+    d2t, t2d = draft_vocab_from_counts(torch.rand(spec.vocab_size), 50) if kind == "eagle3" else (None, None)
+    torch.manual_seed(0)
+    head = build_head(kind, config, spec, weights, d2t, t2d)
+    for p in head.parameters():
+        p.data.normal_()
+    state = {k: v.clone() for k, v in head.state_dict().items()}
+    rebuilt = head_from_state(kind, config, spec, weights, state)
+    x = torch.randn(2, 3, spec.hidden_size)
+    if kind == "medusa":
+        torch.testing.assert_close(rebuilt(x), head(x), rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(rebuilt.logits(x), head.logits(x), rtol=0, atol=0)
+    state.pop(next(k for k in state if k.endswith(".weight")))
+    with pytest.raises(RuntimeError, match="Missing key"):
+        head_from_state(kind, config, spec, weights, state)
