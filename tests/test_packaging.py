@@ -10,7 +10,10 @@ HEAVY = ("transformers", "lightning", "pytorch_lightning", "hydra", "wandb", "da
 
 
 def test_heads_imports_only_torch_and_safetensors():
-    code = f"import sys, specdraft.heads, specdraft.heads.registry; print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))"
+    code = (
+        "import sys, specdraft.heads, specdraft.heads.registry; "
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 
