@@ -192,3 +192,8 @@ def test_gpu_presets_train(tmp_path, preset):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "train" / "smoke-eagle-hass" / "summary.json").read_text())
     assert summary["global_step"] == 6
+
+
+def test_runs_without_a_logger(tmp_path):
+    summary = train(compose_train(tmp_path, "experiment=medusa", "debug=smoke", "logger=none"))
+    assert summary["global_step"] == 6 and not (tmp_path / "csv").exists()

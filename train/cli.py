@@ -22,6 +22,7 @@ import hydra
 import lightning as L
 import torch
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
 from specdraft.data.atomic import write_json_atomic
@@ -74,6 +75,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     loggers = [instantiate(logger) for logger in cfg.logger.values() if logger] if cfg.logger else []
     for logger in loggers:
         logger.log_hyperparams(resolved)  # the resolved Hydra config is the run config
+    if not loggers:  # nothing to log the lr to (Lightning refuses the monitor without a logger)
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     log.info("training %s (%s trainable parameters) in %s", record["kind"], f"{count(head):,}", run_dir)
     if resume_from:

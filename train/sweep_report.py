@@ -1,11 +1,13 @@
 """``specdraft-sweep-report``: collect the runs of a sweep into a table and plots.
 
-    specdraft-sweep-report outputs/sweeps/hass              # a Hydra multirun
+    specdraft-sweep-report outputs/sweeps/sweep             # a Hydra multirun (sweep_name=…)
     specdraft-sweep-report outputs/sweeps/wandb --out report # W&B agent runs (incl. offline dirs)
 
 A run is found by its ``run_config.yaml`` (every specdraft-train run writes one; its metrics come
 from ``summary.json`` or, for a run still going or killed, from its CSV logs) or by a W&B run
-directory (``files/config.yaml`` + ``files/wandb-summary.json``, online or offline). The swept
+directory as online / synced runs leave it (``files/config.yaml`` + ``files/wandb-summary.json``).
+An OFFLINE W&B run keeps its records in a binary ``.wandb`` file, which is not parsed: it is
+collected through the specdraft run dir that holds it (the ``wandb`` logger preset keeps CSV). The swept
 parameters are the config values that differ between runs. Writes ``runs.csv``, ``runs.json``
 and one PNG per swept parameter (the metric against its values, every run a point, the mean
 per value a line).
@@ -28,7 +30,18 @@ from specdraft.train.run_dir import RUN_CONFIG, flatten_config
 
 DEFAULT_METRIC = "val/sim_tau"
 # Keys that differ between runs without being hyper-parameters.
-NOT_SWEPT = ("paths.", "run_name", "hydra", "resume", "callbacks.", "logger.", "trainer.max_time", "threads")
+NOT_SWEPT = (
+    "paths.",
+    "run_name",
+    "sweep_name",
+    "hydra",
+    "resume",
+    "callbacks.",
+    "logger.",
+    "trainer.max_time",
+    "trainer.default_root_dir",
+    "threads",
+)
 
 
 def read_csv_metric(run_dir: Path, metric: str) -> float | None:
