@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from specdraft.data.features import TokenBatch, extract_features
-from specdraft.heads import Eagle3Config, Eagle3Head, EagleHead, MedusaConfig, MedusaHead, TargetWeights
+from specdraft.data.target import target_weights
+from specdraft.heads import Eagle3Config, Eagle3Head, EagleHead, MedusaConfig, MedusaHead
 from specdraft.heads.vocab import draft_vocab_from_counts
 from specdraft.train.losses import (
     LossWeights,
@@ -66,15 +67,6 @@ def test_simulated_tau():
     assert simulated_tau([0.5, 0.5, 1.0]) == pytest.approx(1 + 0.5 + 0.25 + 0.25)
 
 
-def weights_of(target) -> TargetWeights:
-    model = target.model
-    return TargetWeights(
-        model.get_input_embeddings().weight.detach(),
-        model.get_output_embeddings().weight.detach(),
-        model.get_decoder().norm.weight.detach(),
-    )
-
-
 @pytest.fixture(scope="module")
 def features(tiny_target):
     generator = torch.Generator().manual_seed(3)
@@ -88,7 +80,7 @@ def features(tiny_target):
 
 
 def build(kind, target):
-    spec, weights = target.spec, weights_of(target)
+    spec, weights = target.spec, target_weights(target)
     if kind == "medusa":
         return MedusaHead(spec, weights, MedusaConfig(num_heads=3))
     if kind == "eagle":

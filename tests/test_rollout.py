@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from specdraft.data.features import TokenBatch, extract_features
-from specdraft.heads import Eagle3Config, Eagle3Head, EagleHead, TargetWeights
+from specdraft.data.target import target_weights
+from specdraft.heads import Eagle3Config, Eagle3Head, EagleHead
 from specdraft.heads.layers import causal_mask
 from specdraft.train.rollout import RolloutConfig, alignment_mask, rollout
 
@@ -36,15 +37,6 @@ def tiny_features(target, length=12, batch=2, seed=0):
     input_ids = torch.randint(3, target.spec.vocab_size, (batch, length), generator=generator)
     ones = torch.ones_like(input_ids)
     return extract_features(target, TokenBatch(input_ids, ones, ones), target.spec.aux_layer_ids)
-
-
-def target_weights(target) -> TargetWeights:
-    model = target.model
-    return TargetWeights(
-        model.get_input_embeddings().weight.detach(),
-        model.get_output_embeddings().weight.detach(),
-        model.get_decoder().norm.weight.detach(),
-    )
 
 
 def decode_steps(head, features, input_ids, t, steps):
