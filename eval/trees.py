@@ -1,0 +1,81 @@
+"""Static draft trees as tensors: attention mask, depths, retrieve indices (pure functions).
+
+A tree is a list of paths; a path ``(r_0, …, r_{d−1})`` is the node reached by taking the r_0-th
+ranked candidate at depth 1, then the r_1-th ranked child, … (Medusa "choices"; a chain of
+depth D is ``[(0,), (0, 0), …]``). Node 0 is the root: the last token the target committed. The
+other nodes are ordered by depth, then by path, so a node's ancestors always come before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class TreeBuffers:
+    """For a tree of n = 1 + len(paths) nodes, L leaves and depth D:
+
+    paths            the node paths in node order (node i+1 has paths[i]; the root is ())
+    parents          n int64, parent node of each node (−1 for the root)
+    depths           n int64, depth of each node (root 0): its position offset after the root
+    attention_mask   n×n bool, True where node i may attend node j (its ancestors and itself)
+    retrieve_indices L×(D+1) int64, the nodes of each root-to-leaf path, −1 padded
+    """
+
+    paths: tuple[tuple[int, ...], ...]
+    parents: Tensor
+    depths: Tensor
+    attention_mask: Tensor
+    retrieve_indices: Tensor
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.paths) + 1
+
+    def attention_bias(self, past_length: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Additive mask n×(past_length+n): every node sees the whole committed past, and among
+        the new nodes only its ancestors and itself (0 = attend, −inf = masked)."""
+        n = self.num_nodes
+        allowed = torch.cat([torch.ones(n, past_length, dtype=torch.bool), self.attention_mask], dim=1)
+        return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, float("-inf"))
+
+
+def chain_paths(depth: int) -> list[tuple[int, ...]]:
+    """The paths of a chain of ``depth`` top-1 drafts."""
+    return [(0,) * d for d in range(1, depth + 1)]
+
+
+def tree_buffers(paths: Sequence[Sequence[int]]) -> TreeBuffers:
+    """Buffers for a static tree given by ``paths`` (every prefix of a path must be a path too)."""
+    ordered = sorted({tuple(int(r) for r in path) for path in paths}, key=lambda p: (len(p), p))
+    if not ordered:
+        raise ValueError("a draft tree needs at least one path")
+    for path in ordered:
+        if not path or min(path) < 0:
+            raise ValueError(f"tree path {list(path)}: ranks must be >= 0 and paths non-empty")
+    index = {(): 0} | {path: i + 1 for i, path in enumerate(ordered)}
+    missing = [list(p[:-1]) for p in ordered if p[:-1] not in index]
+    if missing:
+        raise ValueError(f"tree paths must include every prefix; missing {missing[:5]}")
+
+    n = len(ordered) + 1
+    parents = torch.full((n,), -1, dtype=torch.long)
+    depths = torch.zeros(n, dtype=torch.long)
+    mask = torch.eye(n, dtype=torch.bool)
+    for path in ordered:
+        node = index[path]
+        parents[node], depths[node] = index[path[:-1]], len(path)
+        for d in range(len(path)):  # the root and every proper prefix are ancestors
+            mask[node, index[path[:d]]] = True
+
+    is_prefix = {p[:-1] for p in ordered}
+    leaves = sorted(p for p in ordered if p not in is_prefix)
+    depth = max(len(p) for p in ordered)
+    retrieve = torch.full((len(leaves), depth + 1), -1, dtype=torch.long)
+    for row, leaf in enumerate(leaves):
+        retrieve[row, : len(leaf) + 1] = torch.tensor([index[leaf[:d]] for d in range(len(leaf) + 1)])
+    return TreeBuffers(tuple(ordered), parents, depths, mask, retrieve)

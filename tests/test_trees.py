@@ -1,0 +1,55 @@
+"""Static tree buffers against hand-written tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.eval.trees import chain_paths, tree_buffers
+
+
+def test_small_tree_literal():
+    buffers = tree_buffers([[0], [1], [0, 0], [0, 1], [1, 0]])
+    assert buffers.paths == ((0,), (1,), (0, 0), (0, 1), (1, 0))
+    expected_mask = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [1, 0, 1, 0, 0, 0],
+            [1, 1, 0, 1, 0, 0],
+            [1, 1, 0, 0, 1, 0],
+            [1, 0, 1, 0, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(buffers.attention_mask, expected_mask)
+    assert buffers.depths.tolist() == [0, 1, 1, 2, 2, 2]
+    assert buffers.parents.tolist() == [-1, 0, 0, 1, 1, 2]
+    assert buffers.retrieve_indices.tolist() == [[0, 1, 3], [0, 1, 4], [0, 2, 5]]
+
+
+def test_chain_and_unbalanced_tree():
+    chain = tree_buffers(chain_paths(3))
+    assert torch.equal(chain.attention_mask, torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+    assert chain.depths.tolist() == [0, 1, 2, 3]
+    assert chain.retrieve_indices.tolist() == [[0, 1, 2, 3]]
+    # Input order does not matter; a shallow leaf is padded with −1.
+    tree = tree_buffers([[0, 0], [1], [0]])
+    assert tree.paths == ((0,), (1,), (0, 0))
+    assert tree.retrieve_indices.tolist() == [[0, 1, 3], [0, 2, -1]]
+
+
+def test_attention_bias_sees_the_past():
+    bias = tree_buffers([[0], [1]]).attention_bias(past_length=2)
+    inf = float("-inf")
+    expected = torch.tensor([[0, 0, 0, inf, inf], [0, 0, 0, 0, inf], [0, 0, 0, inf, 0]])
+    torch.testing.assert_close(bias, expected)
+
+
+def test_bad_paths_are_refused():
+    with pytest.raises(ValueError, match=r"missing \[\[1\]\]"):
+        tree_buffers([[0], [1, 0]])
+    with pytest.raises(ValueError, match="at least one path"):
+        tree_buffers([])
+    with pytest.raises(ValueError, match="ranks must be >= 0"):
+        tree_buffers([[-1]])
