@@ -1,0 +1,79 @@
+"""Acceptance rules of speculative decoding (pure functions over one sequence's tensors).
+
+* Greedy: the longest drafted prefix that matches the target's argmax, plus the target's token.
+* Speculative sampling for a chain (lossless): accept draft x with probability min(1, p(x)/q(x));
+  on rejection sample from norm(max(0, p − q)); if every draft is accepted, sample a bonus from p.
+* Recursive rejection sampling for a tree whose children are deterministic top-k drafts (q = 1
+  for each tried sibling, lossless): at a node, try its children in rank order, accepting child
+  c with probability p(c); after a rejection set p(c) = 0 and renormalise; if every child is
+  rejected, sample from what is left of p. An accepted child becomes the node.
+
+p is always the target's distribution after the same temperature / top-p / top-k processing
+plain decoding uses; these functions only see the processed probabilities.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def greedy_accept(candidates: Tensor, target_argmax: Tensor) -> tuple[int, int]:
+    """candidates L×D (drafted tokens along each root-to-leaf path, −1 padded), target_argmax
+    L×(D+1) (the target's argmax at each node of the path, the root first).
+
+    Returns (best path row, number of accepted drafts); the committed tokens are
+    candidates[row, :n] followed by target_argmax[row, n]."""
+    matches = (candidates == target_argmax[:, :-1]).long().cumprod(dim=1)
+    accepted = matches.sum(dim=1)
+    row = int(accepted.argmax())
+    return row, int(accepted[row])
+
+
+def _sample(probs: Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def speculative_sample_chain(
+    draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor, generator: torch.Generator | None = None
+) -> tuple[int, int]:
+    """draft_tokens K (sampled from draft_probs), draft_probs K×V, target_probs (K+1)×V.
+
+    Returns (number of accepted drafts n, the next token): the committed tokens are
+    draft_tokens[:n] followed by the next token."""
+    for i, token in enumerate(draft_tokens.tolist()):
+        p, q = target_probs[i, token], draft_probs[i, token]
+        u = torch.rand((), generator=generator, device=target_probs.device)
+        if u * q <= p:  # u < min(1, p/q), without dividing by q
+            continue
+        residual = (target_probs[i] - draft_probs[i]).clamp(min=0)
+        return i, _sample(residual / residual.sum(), generator)
+    return len(draft_tokens), _sample(target_probs[-1], generator)
+
+
+def tree_rejection_sample(
+    tokens: Tensor, parents: Tensor, target_probs: Tensor, generator: torch.Generator | None = None
+) -> tuple[list[int], int]:
+    """tokens n (each node's drafted token; the root's is ignored), parents n (−1 for the root;
+    children in rank order have increasing node index), target_probs n×V (the target's
+    distribution at each node, i.e. for the token after it).
+
+    Returns (the accepted nodes from the root's child down, the next token)."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents.tolist()):
+        if parent >= 0:
+            children.setdefault(parent, []).append(node)
+    accepted: list[int] = []
+    node = 0
+    while True:
+        p = target_probs[node].clone()
+        for child in children.get(node, []):
+            token = int(tokens[child])
+            if torch.rand((), generator=generator, device=p.device) < p[token]:
+                accepted.append(child)
+                node = child
+                break
+            p[token] = 0
+            p = p / p.sum()
+        else:  # every child rejected (or a leaf): the target's own token from what is left
+            return accepted, _sample(p, generator)
