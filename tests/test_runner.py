@@ -37,7 +37,7 @@ def test_tree_verify_and_commit_match_plain_forwards(tiny_target):
 
     # Accept root → (0,) → (0, 1); the next round continues from exactly that sequence.
     runner.commit([0, 1, 4])
-    committed = prompt + [nodes[0], nodes[1], nodes[4]]
+    committed = [*prompt, nodes[0], nodes[1], nodes[4]]
     assert runner.length == len(committed)
     new_root = int(tree_logits[4].argmax())
     chain = tree_buffers(chain_paths(2))
