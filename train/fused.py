@@ -120,13 +120,15 @@ class _FusedVocabLosses(torch.autograd.Function):
         # Softmaxes and gradients in fp32 (fp64 when the inputs are fp64, as in the tests).
         acc = torch.float64 if compute == torch.float64 else torch.float32
 
-        # Pass 1 (no grad): the positions each step trains on, for the per-step means.
         keep = torch.ones(n, dtype=torch.bool, device=device)
         target_argmax = torch.empty(n, dtype=torch.long, device=device)
-        for start in range(0, n, chunk_size):
-            rows = slice(start, start + chunk_size)
-            target_argmax[rows] = (target_hidden[rows] @ w_target.T).argmax(-1)
         if reduced:
+            # An extra pass over the target logits, needed only for a reduced vocabulary: the
+            # positions each step trains on (target argmax inside the draft vocab) set the
+            # per-step means before any gradient is computed.
+            for start in range(0, n, chunk_size):
+                rows = slice(start, start + chunk_size)
+                target_argmax[rows] = (target_hidden[rows] @ w_target.T).argmax(-1)
             keep = target_to_draft[target_argmax] >= 0
         trained = step_valid & keep  # S×N
         denominators = trained.sum(-1).clamp(min=1).double()
@@ -140,6 +142,7 @@ class _FusedVocabLosses(torch.autograd.Function):
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
             target_logits = (target_hidden[rows] @ w_target.T).to(acc)
+            target_argmax[rows] = target_logits.argmax(-1)
             if reduced:
                 target_logits = target_logits[:, draft_vocab]
             p = target_logits.softmax(-1)  # c×V'

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from specdraft.data.features import FeatureBatch
 from specdraft.heads import Eagle3Head, FeatureHead, MedusaHead
-from specdraft.train.fused import DEFAULT_CHUNK_SIZE, TERMS, fused_vocab_losses, target_topk
+from specdraft.train.fused import DEFAULT_CHUNK_SIZE, TERMS, FusedOutput, fused_vocab_losses, target_topk
 from specdraft.train.losses import LossWeights, feature_regression
 from specdraft.train.rollout import RolloutConfig, rollout, shift_left
 
@@ -194,7 +194,7 @@ class DraftObjective:
                     chunk_size=self.chunk_size,
                 )
             )
-        fused = type(per_head[0])(
+        fused = FusedOutput(
             loss=sum(f.loss for f in per_head),
             terms=torch.cat([f.terms for f in per_head]),
             matches=torch.cat([f.matches for f in per_head]),
