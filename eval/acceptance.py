@@ -14,6 +14,8 @@ plain decoding uses; these functions only see the processed probabilities.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
@@ -77,3 +79,33 @@ def tree_rejection_sample(
             p = p / p.sum()
         else:  # every child rejected (or a leaf): the target's own token from what is left
             return accepted, _sample(p, generator)
+
+
+def typical_accept(
+    tokens: Tensor,
+    retrieve_indices: Tensor,
+    target_probs: Tensor,
+    epsilon: float,
+    delta: float,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """Medusa's typical acceptance — LOSSY: the output distribution is NOT the target's.
+
+    Along each root-to-leaf path (retrieve_indices L×(D+1), −1 padded) a drafted token x is
+    accepted when p(x) > min(epsilon, delta·exp(−H(p))), p being the target's distribution at
+    its parent. The longest accepted prefix wins (the first on ties); the next token is sampled
+    from p at its last node. Returns (accepted nodes from the root's child down, next token)."""
+    entropy = -(target_probs * target_probs.clamp(min=1e-30).log()).sum(-1)
+    threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
+    best: list[int] = []
+    for row in retrieve_indices.tolist():
+        path = [n for n in row if n >= 0]
+        accepted = []
+        for parent, child in itertools.pairwise(path):
+            if target_probs[parent, tokens[child]] <= threshold[parent]:
+                break
+            accepted.append(child)
+        if len(accepted) > len(best):
+            best = accepted
+    last = best[-1] if best else 0
+    return best, _sample(target_probs[last], generator)

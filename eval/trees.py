@@ -8,6 +8,7 @@ other nodes are ordered by depth, then by path, so a node's ancestors always com
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -79,3 +80,28 @@ def tree_buffers(paths: Sequence[Sequence[int]]) -> TreeBuffers:
     for row, leaf in enumerate(leaves):
         retrieve[row, : len(leaf) + 1] = torch.tensor([index[leaf[:d]] for d in range(len(leaf) + 1)])
     return TreeBuffers(tuple(ordered), parents, depths, mask, retrieve)
+
+
+def best_static_tree(rank_accept: Sequence[Sequence[float]], num_nodes: int) -> list[tuple[int, ...]]:
+    """The ``num_nodes`` paths of highest estimated reach probability (Medusa's tree construction).
+
+    ``rank_accept[d][r]`` estimates the probability that the r-th ranked candidate at depth d+1
+    is the accepted token; a path is reached with the product over its steps. Because that
+    product only falls along a path, the best paths form a tree (every prefix is kept); they
+    are enumerated best-first, ties broken by the paths' order (lexicographic).
+    """
+    if num_nodes < 1:
+        raise ValueError(f"a static tree needs num_nodes >= 1, got {num_nodes}")
+    for d, row in enumerate(rank_accept):
+        if not row or any(not 0 <= p <= 1 for p in row):
+            raise ValueError(f"rank_accept[{d}] must be non-empty probabilities, got {list(row)}")
+    frontier = [(-float(p), (r,)) for r, p in enumerate(rank_accept[0])]
+    heapq.heapify(frontier)
+    chosen: list[tuple[int, ...]] = []
+    while frontier and len(chosen) < num_nodes:
+        negative_reach, path = heapq.heappop(frontier)
+        chosen.append(path)
+        if len(path) < len(rank_accept):
+            for r, p in enumerate(rank_accept[len(path)]):
+                heapq.heappush(frontier, (negative_reach * p, (*path, r)))
+    return chosen

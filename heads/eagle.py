@@ -97,6 +97,15 @@ class FeatureHead(nn.Module):
         """Draft logits ...×V' for layer outputs ...×H."""
         raise NotImplementedError
 
+    @property
+    def draft_vocab_size(self) -> int:
+        """V', the size of the vocabulary the head drafts over."""
+        raise NotImplementedError
+
+    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
+        """Draft-vocabulary ids -> target ids."""
+        raise NotImplementedError
+
     def step(
         self,
         features: Tensor,
@@ -138,6 +147,10 @@ class EagleHead(FeatureHead):
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.target_logits(hidden)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.spec.vocab_size
 
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         return draft_ids

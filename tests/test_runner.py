@@ -3,8 +3,10 @@ exactly the accepted path."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from specdraft.data.features import TokenBatch, extract_features
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.trees import chain_paths, tree_buffers
 
@@ -19,14 +21,15 @@ def test_tree_verify_and_commit_match_plain_forwards(tiny_target):
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, tiny_target.spec.vocab_size, (10,), generator=generator).tolist()
     runner = TargetRunner(tiny_target)
-    logits, hidden = runner.prefill(torch.tensor(prompt))
+    output = runner.prefill(torch.tensor(prompt))
+    logits, hidden = output.logits, output.hidden
     torch.testing.assert_close(logits[-1], fresh_logits(tiny_target, prompt), rtol=1e-5, atol=1e-5)
     assert hidden.shape == (10, tiny_target.spec.hidden_size)
 
     tree = tree_buffers([[0], [1], [0, 0], [0, 1], [1, 0]])
     root = int(logits[-1].argmax())
     nodes = [root, *torch.randint(3, tiny_target.spec.vocab_size, (5,), generator=generator).tolist()]
-    tree_logits, _ = runner.verify(torch.tensor(nodes), tree)
+    tree_logits = runner.verify(torch.tensor(nodes), tree).logits
     for node in range(tree.num_nodes):
         ancestors, current = [], node
         while current >= 0:
@@ -42,7 +45,43 @@ def test_tree_verify_and_commit_match_plain_forwards(tiny_target):
     new_root = int(tree_logits[4].argmax())
     chain = tree_buffers(chain_paths(2))
     chain_nodes = [new_root, 7, 9]
-    chain_logits, _ = runner.verify(torch.tensor(chain_nodes), chain)
+    chain_logits = runner.verify(torch.tensor(chain_nodes), chain).logits
     for depth in range(3):
         expected = fresh_logits(tiny_target, committed + chain_nodes[: depth + 1])
         torch.testing.assert_close(chain_logits[depth], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_runner_features_equal_offline_extraction(tiny_target):
+    """What the decoder feeds a head online (prefill, then verified and committed nodes) equals
+    what training reads from the feature cache for the same tokens."""
+    spec = tiny_target.spec
+    tokens = torch.randint(3, spec.vocab_size, (14,), generator=torch.Generator().manual_seed(1))
+    batch = TokenBatch(tokens[None], torch.ones(1, 14, dtype=torch.long), torch.ones(1, 14, dtype=torch.long))
+    offline = extract_features(tiny_target, batch, aux_layer_ids=spec.aux_layer_ids)
+    runner = TargetRunner(tiny_target, spec.aux_layer_ids)
+    first = runner.prefill(tokens[:9])
+    tree = tree_buffers([[0], [1], [0, 0], [0, 0, 0], [1, 0]])  # nodes: root, a, b, a0, b0, a00
+    nodes = [tokens[9], tokens[10], 5, tokens[11], 7, tokens[12]]
+    verified = runner.verify(torch.tensor(nodes), tree)
+    path = [0, 1, 3, 5]
+    runner.commit(path)
+    last = runner.extend(tokens[13:])
+    hidden = torch.cat([first.hidden, verified.rows(path).hidden, last.hidden])
+    aux = torch.cat([first.aux, verified.rows(path).aux, last.aux])
+    torch.testing.assert_close(hidden, offline.hidden[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(aux, offline.aux[0], rtol=1e-5, atol=1e-5)
+    assert runner.length == 14
+
+
+def test_commit_of_a_prefix_crops_the_rest(tiny_target):
+    runner = TargetRunner(tiny_target)
+    runner.prefill(torch.tensor([5, 6, 7]))
+    runner.verify(torch.tensor([8, 9, 10, 11]), tree_buffers(chain_paths(3)))
+    runner.commit([0, 1])
+    assert runner.length == 5 and runner.cache.get_seq_length() == 5
+    with pytest.raises(RuntimeError, match="nothing verified"):
+        runner.commit([0])
+    logits = runner.extend(torch.tensor([12])).logits
+    torch.testing.assert_close(
+        logits[-1], fresh_logits(tiny_target, [5, 6, 7, 8, 9, 12]), rtol=1e-5, atol=1e-5
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.eval.trees import chain_paths, tree_buffers
+from specdraft.eval.trees import best_static_tree, chain_paths, tree_buffers
 
 
 def test_small_tree_literal():
@@ -53,3 +53,15 @@ def test_bad_paths_are_refused():
         tree_buffers([])
     with pytest.raises(ValueError, match="ranks must be >= 0"):
         tree_buffers([[-1]])
+
+
+def test_best_static_tree_is_the_top_paths_by_reach():
+    rank_accept = [[0.5, 0.3, 0.1], [0.6, 0.2], [0.9]]
+    paths = best_static_tree(rank_accept, 6)
+    # reach: (0) .5, (0,0) .3 = (1) .3 (the shorter path wins the tie only by order: (0,0) < (1,)),
+    # (0,0,0) .27, (1,0) .18, (1,0,0) .162, then (0,1) = (2) = .1
+    assert paths == [(0,), (0, 0), (1,), (0, 0, 0), (1, 0), (1, 0, 0)]
+    tree_buffers(paths)  # every prefix is present
+    assert best_static_tree([[1.0]] * 3, 10) == [(0,), (0, 0), (0, 0, 0)]  # a chain, capped by depth
+    with pytest.raises(ValueError, match="rank_accept"):
+        best_static_tree([[1.5]], 2)

@@ -1,0 +1,195 @@
+"""The decode loop: one loop for every drafter, and plain decoding on the same target runner.
+
+    prefill(prompt) -> root ~ p(· | prompt)
+    repeat: draft a tree under the root -> verify it in one target forward -> accept a path
+            (+ one token from the target) -> compact the target's KV cache -> feed the accepted
+            path's target features back to the drafter
+
+The acceptance rule follows the sampling settings: greedy matching at T=0; at T>0 speculative
+sampling for a sampled chain, recursive rejection sampling for a tree; Medusa's typical
+acceptance only when asked for, and it is lossy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from specdraft.eval.acceptance import (
+    greedy_accept,
+    speculative_sample_chain,
+    tree_rejection_sample,
+    typical_accept,
+)
+from specdraft.eval.drafters import Drafter
+from specdraft.eval.runner import TargetRunner
+from specdraft.eval.sampling import Sampling
+
+
+@dataclass(frozen=True)
+class Typical:
+    """Medusa typical acceptance (LOSSY): accept x when p(x) > min(epsilon, delta·exp(−H(p)))."""
+
+    epsilon: float = 0.09
+    delta: float = 0.3
+
+
+@dataclass
+class StepRecord:
+    """One draft → verify → accept round: tree size, tree depth, drafts accepted, seconds spent."""
+
+    nodes: int
+    depth: int
+    accepted: int
+    draft_s: float
+    verify_s: float
+    bookkeeping_s: float
+
+
+@dataclass
+class Generation:
+    """The generated tokens (EOS included when reached) and how they were obtained."""
+
+    tokens: list[int]
+    prefill_s: float
+    total_s: float
+    stop: str  # "eos" | "length"
+    steps: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def target_forwards(self) -> int:
+        """Target forwards after the prefill (plain decoding: one per token after the first)."""
+        return len(self.steps)
+
+
+def _finish(tokens: list[int], max_new_tokens: int, eos_ids: Collection[int]) -> tuple[list[int], str | None]:
+    """Cut at the first EOS (kept) or at max_new_tokens; the stop reason, or None to go on."""
+    for i, token in enumerate(tokens[:max_new_tokens]):
+        if token in eos_ids:
+            return tokens[: i + 1], "eos"
+    if len(tokens) >= max_new_tokens:
+        return tokens[:max_new_tokens], "length"
+    return tokens, None
+
+
+def _check_budget(runner: TargetRunner, prompt_ids: Tensor, max_new_tokens: int, extra: int) -> None:
+    limit = getattr(runner.model.config, "max_position_embeddings", None)
+    if limit is not None and len(prompt_ids) + max_new_tokens + extra > limit:
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) + draft depth ({extra}) "
+            f"exceeds the target's max_position_embeddings={limit}"
+        )
+
+
+def _sync(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@torch.no_grad()
+def plain_generate(
+    runner: TargetRunner,
+    prompt_ids: Tensor,
+    max_new_tokens: int,
+    sampling: Sampling,
+    eos_ids: Collection[int],
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """Token-by-token decoding on the same runner (the speedup baseline)."""
+    _check_budget(runner, prompt_ids, max_new_tokens, 0)
+    device = runner.target.device
+    start = _sync(device)
+    output = runner.prefill(prompt_ids)
+    prefill_s = _sync(device) - start
+    tokens = [sampling.choose(output.logits[-1], generator)]
+    steps = []
+    while (stop := _finish(tokens, max_new_tokens, eos_ids)[1]) is None:
+        begin = _sync(device)
+        output = runner.extend(torch.tensor(tokens[-1:]))
+        tokens.append(sampling.choose(output.logits[-1], generator))
+        steps.append(StepRecord(1, 0, 0, 0.0, _sync(device) - begin, 0.0))
+    return Generation(tokens, prefill_s, _sync(device) - start, stop, steps)
+
+
+@torch.no_grad()
+def speculative_generate(
+    runner: TargetRunner,
+    drafter: Drafter,
+    prompt_ids: Tensor,
+    max_new_tokens: int,
+    sampling: Sampling,
+    eos_ids: Collection[int],
+    generator: torch.Generator | None = None,
+    typical: Typical | None = None,
+) -> Generation:
+    """Speculative decoding of one prompt; lossless unless ``typical`` is given."""
+    _check_budget(runner, prompt_ids, max_new_tokens, drafter.max_depth)
+    device = runner.target.device
+    start = _sync(device)
+    output = runner.prefill(prompt_ids)
+    prefill_s = _sync(device) - start
+    root = sampling.choose(output.logits[-1], generator)
+    drafter.reset()
+    drafter.commit(prompt_ids.tolist(), output, root)
+    tokens, steps = [root], []
+    while (stop := _finish(tokens, max_new_tokens, eos_ids)[1]) is None:
+        begin = _sync(device)
+        draft = drafter.draft(root, sampling, generator)
+        drafted = _sync(device)
+        output = runner.verify(draft.tokens, draft.tree)
+        verified = _sync(device)
+        nodes, root = _accept(draft, output.logits, sampling, generator, typical)
+        runner.commit(nodes)
+        accepted_tokens = draft.tokens[nodes].tolist()
+        tokens.extend([*accepted_tokens[1:], root])
+        drafter.observe(draft.tree.num_nodes - 1, len(nodes) - 1)
+        if _finish(tokens, max_new_tokens, eos_ids)[1] is None:  # no drafting state needed after the end
+            drafter.commit(accepted_tokens, output.rows(nodes), root)
+        depth = int(draft.tree.depths.max())
+        steps.append(
+            StepRecord(
+                draft.tree.num_nodes,
+                depth,
+                len(nodes) - 1,
+                drafted - begin,
+                verified - drafted,
+                _sync(device) - verified,
+            )
+        )
+    tokens, stop = _finish(tokens, max_new_tokens, eos_ids)
+    return Generation(tokens, prefill_s, _sync(device) - start, stop, steps)
+
+
+def _accept(
+    draft, logits: Tensor, sampling: Sampling, generator, typical: Typical | None
+) -> tuple[list[int], int]:
+    """The accepted nodes (root first, in path order) and the next token."""
+    tree = draft.tree
+    if typical is not None and not sampling.greedy:
+        accepted, next_token = typical_accept(
+            draft.tokens,
+            tree.retrieve_indices,
+            sampling.probs(logits),
+            typical.epsilon,
+            typical.delta,
+            generator,
+        )
+        return [0, *accepted], next_token
+    if sampling.greedy:
+        retrieve = tree.retrieve_indices
+        argmax = logits.argmax(-1).cpu()
+        candidates = torch.where(retrieve[:, 1:] >= 0, draft.tokens[retrieve[:, 1:].clamp(min=0)], -1)
+        row, count = greedy_accept(candidates, argmax[retrieve.clamp(min=0)])
+        nodes = retrieve[row, : count + 1].tolist()
+        return nodes, int(argmax[nodes[-1]])
+    probs = sampling.probs(logits).cpu()
+    if draft.draft_probs is not None:  # a sampled chain: nodes 0..D in order
+        count, next_token = speculative_sample_chain(draft.tokens[1:], draft.draft_probs, probs, generator)
+        return list(range(count + 1)), next_token
+    accepted, next_token = tree_rejection_sample(draft.tokens, tree.parents, probs, generator)
+    return [0, *accepted], next_token

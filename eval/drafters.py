@@ -1,0 +1,471 @@
+"""Drafters: what proposes the tokens the target verifies.
+
+Every drafter follows the decode loop's rhythm (:mod:`specdraft.eval.decode`):
+
+* ``reset()`` before a new sequence;
+* ``commit(tokens, target_output, next_token)``: the target has committed ``tokens`` (the
+  prompt, or the root plus the accepted drafts) and produced ``target_output`` for them;
+  ``next_token`` is the new root, sampled from the target but not yet run by it;
+* ``draft(root, sampling, generator) -> Draft``: a tree whose node 0 is the root;
+* ``observe(drafted, accepted)``: feedback for adaptive policies.
+
+Tree shapes: :class:`Chain` (top-1 at T=0; sampled from the draft at T>0, for lossless
+speculative sampling; optionally cut by an adaptive confidence threshold), :class:`StaticTree`
+(paths of sibling ranks, e.g. Medusa choices) and :class:`DynamicTree` (EAGLE-2: expand the
+top-k frontier by cumulative draft log-probability, then keep the best nodes globally).
+
+Tests plug oracle / adversarial drafts in through ``score_filter``: it sees each candidate
+distribution with the context it is conditioned on, and may rewrite it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache, PreTrainedModel
+
+from specdraft.eval.runner import TargetOutput, select_cache_positions
+from specdraft.eval.sampling import Sampling
+from specdraft.eval.trees import TreeBuffers, tree_buffers
+from specdraft.heads.eagle import FeatureHead
+from specdraft.heads.layers import causal_mask
+from specdraft.heads.medusa import MedusaHead
+
+# (context tokens, how many tokens after the context the candidates are for (0 = the next
+# one), log-probs V over the target vocabulary) -> rewritten log-probs V.
+ScoreFilter = Callable[[list[int], int, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Draft ``depth`` tokens in a line. ``threshold`` (threshold drafting): stop early once the
+    draft's cumulative probability of the chain falls below it; the threshold adapts after
+    every step, down by ``threshold_step`` when the whole chain was accepted (draft further)
+    and up by it otherwise, within [threshold_min, threshold_max]."""
+
+    depth: int = 5
+    threshold: float | None = None
+    threshold_step: float = 0.05
+    threshold_min: float = 0.01
+    threshold_max: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.depth < 1:
+            raise ValueError(f"chain depth must be >= 1, got {self.depth}")
+        if self.threshold is not None and not self.threshold_min <= self.threshold <= self.threshold_max:
+            raise ValueError(
+                f"chain threshold {self.threshold} outside [{self.threshold_min}, {self.threshold_max}]"
+            )
+
+
+@dataclass(frozen=True)
+class StaticTree:
+    """A fixed tree of sibling-rank paths (see :mod:`specdraft.eval.trees`)."""
+
+    paths: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2: ``depth`` expansion levels of the ``top_k`` best frontier nodes (each with
+    ``top_k`` children), then the ``total_tokens − 1`` best drafted nodes overall (+ the root)."""
+
+    depth: int = 5
+    top_k: int = 10
+    total_tokens: int = 60
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.top_k < 1 or self.total_tokens < 2:
+            raise ValueError(f"dynamic tree needs depth, top_k >= 1 and total_tokens >= 2, got {self}")
+
+
+TreeShape = Chain | StaticTree | DynamicTree
+
+
+@dataclass
+class Draft:
+    """tokens n (node 0 = the root), the tree, and for a SAMPLED chain the draft distribution
+    that produced each drafted token (depth×V over the target vocabulary; None otherwise)."""
+
+    tokens: Tensor
+    tree: TreeBuffers
+    draft_probs: Tensor | None = None
+
+
+@dataclass
+class _Node:
+    token: int  # target vocabulary id
+    parent: int
+    depth: int
+    path: tuple[int, ...]
+    score: float = 0.0  # cumulative draft log-probability
+
+
+@dataclass
+class _Growth:
+    """A tree being drafted: node 0 is the root."""
+
+    nodes: list[_Node] = field(default_factory=list)
+
+    def add(self, token: int, parent: int, rank: int, score: float) -> int:
+        up = self.nodes[parent]
+        self.nodes.append(_Node(token, parent, up.depth + 1, (*up.path, rank), score))
+        return len(self.nodes) - 1
+
+    def context(self, history: list[int], node: int) -> list[int]:
+        """The committed tokens plus the tokens of ``node`` and its ancestors (root included)."""
+        path = []
+        while node >= 0:
+            path.append(self.nodes[node].token)
+            node = self.nodes[node].parent
+        return history + path[::-1]
+
+    def draft(self, keep: list[int], tree_cache: dict) -> Draft:
+        paths = tuple(sorted((self.nodes[i].path for i in keep), key=lambda p: (len(p), p)))
+        tree = tree_cache.get(paths)
+        if tree is None:
+            tree = tree_cache.setdefault(paths, tree_buffers(paths))
+        by_path = {self.nodes[i].path: self.nodes[i].token for i in keep}
+        tokens = torch.tensor([self.nodes[0].token, *(by_path[p] for p in tree.paths)])
+        return Draft(tokens, tree)
+
+
+class Drafter:
+    """Shared bookkeeping: the committed history, the score filter, the chain threshold."""
+
+    name = "drafter"
+
+    def __init__(self, shape: TreeShape, score_filter: ScoreFilter | None = None) -> None:
+        self.shape, self.score_filter = shape, score_filter
+        self.history: list[int] = []
+        self.threshold = shape.threshold if isinstance(shape, Chain) else None
+        self._trees: dict[tuple[tuple[int, ...], ...], TreeBuffers] = {}
+
+    @property
+    def max_depth(self) -> int:
+        shape = self.shape
+        return max(len(p) for p in shape.paths) if isinstance(shape, StaticTree) else shape.depth
+
+    def reset(self) -> None:
+        self.history = []
+        self.threshold = self.shape.threshold if isinstance(self.shape, Chain) else None
+
+    def commit(self, tokens: list[int], target: TargetOutput, next_token: int) -> None:
+        self.history.extend(tokens)
+
+    def draft(self, root: int, sampling: Sampling, generator: torch.Generator | None = None) -> Draft:
+        raise NotImplementedError
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Adapt the chain threshold: lower it after a fully accepted chain, raise it otherwise."""
+        if self.threshold is None:
+            return
+        shape = self.shape
+        step = -shape.threshold_step if accepted >= drafted else shape.threshold_step
+        self.threshold = min(shape.threshold_max, max(shape.threshold_min, self.threshold + step))
+
+    # -- helpers for subclasses -------------------------------------------------------------------
+    def _filtered(
+        self, contexts: list[list[int]], ahead: int, log_probs: Tensor, to_target: Tensor
+    ) -> Tensor:
+        """Apply the score filter (tests only) to n×V' log-probs over vocabulary ids ``to_target``."""
+        if self.score_filter is None:
+            return log_probs
+        vocab = self.vocab_size
+        rows = []
+        for context, row in zip(contexts, log_probs, strict=False):
+            full = torch.full((vocab,), float("-inf"), dtype=row.dtype).index_copy(0, to_target, row)
+            rows.append(self.score_filter(context, ahead, full)[to_target])
+        return torch.stack(rows).log_softmax(-1)
+
+    def _chain(
+        self,
+        growth: _Growth,
+        first: Tensor,
+        step: Callable[[int], Tensor],
+        to_target: Tensor,
+        sampling: Sampling,
+        generator: torch.Generator | None,
+    ) -> Draft:
+        """Grow a chain from the root: ``first`` are the log-probs V' for depth 1, ``step(node)``
+        gives them after ``node``. Sampled (with the draft distributions) unless greedy."""
+        depth = self.shape.depth
+        log_probs, probs, cumulative, node = first, [], 1.0, 0
+        for d in range(1, depth + 1):
+            if sampling.greedy:
+                index = int(log_probs.argmax())
+                q = None
+            else:
+                q = sampling.probs(log_probs)
+                index = int(torch.multinomial(q, 1, generator=generator))
+            chosen_prob = float(log_probs[index].exp())
+            if self.threshold is not None and d > 1 and cumulative * chosen_prob < self.threshold:
+                break
+            cumulative *= chosen_prob
+            node = growth.add(int(to_target[index]), node, 0, 0.0)
+            if q is not None:
+                probs.append(torch.zeros(self.vocab_size).index_copy_(0, to_target, q))
+            if d < depth:
+                log_probs = step(node)
+        result = growth.draft(list(range(1, len(growth.nodes))), self._trees)
+        result.draft_probs = torch.stack(probs) if probs else None
+        return result
+
+
+class FeatureHeadDrafter(Drafter):
+    """EAGLE-1/2 and EAGLE-3 heads. The head's KV cache holds one entry per committed position,
+    computed from the TARGET's features (the accepted path's features are fed back after every
+    verification); tree nodes get temporary entries that live for one drafting round."""
+
+    def __init__(self, head: FeatureHead, shape: TreeShape, score_filter: ScoreFilter | None = None) -> None:
+        super().__init__(shape, score_filter)
+        self.head = head
+        self.name = type(head).__name__
+        self.dtype = next(head.parameters()).dtype
+        self.device = next(head.parameters()).device
+        self.vocab_size = head.spec.vocab_size
+        self.to_target = head.draft_to_target(torch.arange(head.draft_vocab_size, device=self.device)).cpu()
+        self.reset()
+
+    def reset(self) -> None:
+        super().reset()
+        self.past_key = self.past_value = None
+        self.root_output: Tensor | None = None  # 1×1×H, the head's output at the last committed position
+        self.root_log_probs: Tensor | None = None  # V', candidates for depth 1
+
+    @torch.no_grad()
+    def commit(self, tokens: list[int], target: TargetOutput, next_token: int) -> None:
+        past, count = len(self.history), len(tokens)
+        aux = None if target.aux is None else target.aux.to(self.device, self.dtype)[None]
+        features = self.head.initial_features(target.hidden.to(self.device, self.dtype)[None], aux)
+        following = torch.tensor([*tokens[1:], next_token], device=self.device)[None]
+        positions = torch.arange(past, past + count, device=self.device)[None]
+        mask = causal_mask(count, self.device, past).to(self.dtype)
+        output, key, value = self.head.step(
+            features, following, positions, mask, self.past_key, self.past_value
+        )
+        self.past_key = key if self.past_key is None else torch.cat([self.past_key, key], dim=2)
+        self.past_value = value if self.past_value is None else torch.cat([self.past_value, value], dim=2)
+        super().commit(tokens, target, next_token)
+        self.root_output = output[:, -1:]
+        self._next_root = next_token
+        self.root_log_probs = self._log_probs(self.root_output[0], [[*self.history, next_token]])[0]
+
+    def _log_probs(self, outputs: Tensor, contexts: list[list[int]]) -> Tensor:
+        log_probs = self.head.logits(outputs).float().log_softmax(-1).cpu()
+        return self._filtered(contexts, 0, log_probs, self.to_target)
+
+    @torch.no_grad()
+    def draft(self, root: int, sampling: Sampling, generator: torch.Generator | None = None) -> Draft:
+        if root != self._next_root:
+            raise ValueError(f"draft(root={root}) but the last commit announced root {self._next_root}")
+        growth = _Growth([_Node(root, -1, 0, ())])
+        outputs = {0: self.root_output}
+        expanded: list[tuple[Tensor, Tensor]] = []  # temporary K/V of expanded non-root nodes
+        ancestors_of = {0: []}
+
+        def expand(nodes: list[int]) -> Tensor:
+            """One head step over same-depth ``nodes``: their log-probs n×V'."""
+            depth = growth.nodes[nodes[0]].depth
+            past = len(self.history)
+            features = torch.cat([outputs[growth.nodes[n].parent] for n in nodes], dim=1)
+            token_ids = torch.tensor([[growth.nodes[n].token for n in nodes]], device=self.device)
+            positions = torch.full((1, len(nodes)), past - 1 + depth, device=self.device)
+            slot = {n: i for i, (n, _) in enumerate(expanded)}
+            allowed = torch.zeros(len(nodes), past + len(slot) + len(nodes), dtype=torch.bool)
+            allowed[:, :past] = True
+            for i, n in enumerate(nodes):
+                parent = growth.nodes[n].parent
+                ancestors_of[n] = ancestors_of[parent] + ([parent] if parent > 0 else [])
+                for a in ancestors_of[n]:
+                    allowed[i, past + slot[a]] = True
+                allowed[i, past + len(slot) + i] = True
+            mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, float("-inf"))
+            past_key = torch.cat([self.past_key, *(k for _, (k, _) in expanded)], dim=2)
+            past_value = torch.cat([self.past_value, *(v for _, (_, v) in expanded)], dim=2)
+            out, key, value = self.head.step(
+                features, token_ids, positions, mask.to(self.device), past_key, past_value
+            )
+            for i, n in enumerate(nodes):
+                outputs[n] = out[:, i : i + 1]
+                expanded.append((n, (key[:, :, i : i + 1], value[:, :, i : i + 1])))
+            contexts = [growth.context(self.history, n) for n in nodes] if self.score_filter else []
+            return self._log_probs(out[0], contexts)
+
+        shape = self.shape
+        if isinstance(shape, Chain):
+            return self._chain(
+                growth, self.root_log_probs, lambda n: expand([n])[0], self.to_target, sampling, generator
+            )
+        if isinstance(shape, StaticTree):
+            return self._static(growth, shape, expand)
+        return self._dynamic(growth, shape, expand)
+
+    def _static(self, growth: _Growth, shape: StaticTree, expand: Callable[[list[int]], Tensor]) -> Draft:
+        tree = self._trees.get(shape.paths)
+        if tree is None:
+            tree = self._trees.setdefault(shape.paths, tree_buffers(shape.paths))
+        width: dict[tuple[int, ...], int] = {}  # children needed per parent path
+        for path in tree.paths:
+            width[path[:-1]] = max(width.get(path[:-1], 0), path[-1] + 1)
+        in_tree = set(tree.paths)
+        by_path = {(): 0}
+        depth = max(len(p) for p in tree.paths)
+        for d in range(1, depth + 1):
+            parents = [by_path[p] for p in by_path if len(p) == d - 1 and p in width]
+            log_probs = self.root_log_probs[None] if d == 1 else expand(parents)
+            for parent, row in zip(parents, log_probs, strict=False):
+                parent_path = growth.nodes[parent].path
+                top = row.topk(width[parent_path])
+                for rank, (score, index) in enumerate(
+                    zip(top.values.tolist(), top.indices.tolist(), strict=False)
+                ):
+                    if (*parent_path, rank) in in_tree:
+                        node = growth.add(int(self.to_target[index]), parent, rank, score)
+                        by_path[(*parent_path, rank)] = node
+        return growth.draft(list(range(1, len(growth.nodes))), self._trees)
+
+    def _dynamic(self, growth: _Growth, shape: DynamicTree, expand: Callable[[list[int]], Tensor]) -> Draft:
+        top = self.root_log_probs.topk(shape.top_k)
+        frontier = [
+            growth.add(int(self.to_target[i]), 0, rank, s)
+            for rank, (s, i) in enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=False))
+        ]
+        for _ in range(2, shape.depth + 1):
+            log_probs = expand(frontier)
+            top = log_probs.topk(shape.top_k, dim=-1)
+            parent_scores = torch.tensor([growth.nodes[n].score for n in frontier])
+            scores = parent_scores[:, None] + top.values  # k×k cumulative log-probs
+            children = []
+            for row, parent in enumerate(frontier):
+                for rank in range(shape.top_k):
+                    index = int(top.indices[row, rank])
+                    children.append(
+                        growth.add(int(self.to_target[index]), parent, rank, float(scores[row, rank]))
+                    )
+            best = scores.flatten().topk(min(shape.top_k, scores.numel())).indices.tolist()
+            frontier = [children[i] for i in sorted(best)]
+        # Global rerank; a stable sort keeps parents (created first, never lower-scored) ahead of children.
+        candidates = sorted(range(1, len(growth.nodes)), key=lambda n: -growth.nodes[n].score)
+        return growth.draft(sorted(candidates[: shape.total_tokens - 1]), self._trees)
+
+
+class MedusaDrafter(Drafter):
+    """Medusa heads: head k ranks the token k+2 positions after the last committed one, all
+    from that position's target hidden state, so a node's candidates do not depend on the
+    drafted prefix and the tree is static (or a chain)."""
+
+    name = "MedusaHead"
+
+    def __init__(self, head: MedusaHead, shape: TreeShape, score_filter: ScoreFilter | None = None) -> None:
+        if isinstance(shape, DynamicTree):
+            raise ValueError("Medusa heads draft chains or static trees, not dynamic trees")
+        depth = shape.depth if isinstance(shape, Chain) else max(len(p) for p in shape.paths)
+        if depth > head.num_heads:
+            raise ValueError(
+                f"a depth-{depth} draft needs {depth} Medusa heads; this head has {head.num_heads}"
+            )
+        super().__init__(shape, score_filter)
+        self.head = head
+        self.dtype = next(head.parameters()).dtype
+        self.device = next(head.parameters()).device
+        self.vocab_size = head.spec.vocab_size
+        self.to_target = torch.arange(self.vocab_size)
+        self.reset()
+
+    def reset(self) -> None:
+        super().reset()
+        self.last_hidden: Tensor | None = None
+
+    def commit(self, tokens: list[int], target: TargetOutput, next_token: int) -> None:
+        super().commit(tokens, target, next_token)
+        self.last_hidden = target.hidden[-1:].to(self.device, self.dtype)
+
+    @torch.no_grad()
+    def draft(self, root: int, sampling: Sampling, generator: torch.Generator | None = None) -> Draft:
+        log_probs = self.head(self.last_hidden)[:, 0].float().log_softmax(-1).cpu()  # K×V
+        if self.score_filter is not None:
+            context = [*self.history, root]
+            log_probs = torch.cat(
+                [
+                    self._filtered([context], k, log_probs[k : k + 1], self.to_target)
+                    for k in range(len(log_probs))
+                ]
+            )
+        growth = _Growth([_Node(root, -1, 0, ())])
+        if isinstance(self.shape, Chain):
+            step = lambda node: log_probs[growth.nodes[node].depth]  # noqa: E731
+            return self._chain(growth, log_probs[0], step, self.to_target, sampling, generator)
+        paths = sorted(self.shape.paths, key=lambda p: (len(p), p))
+        width = [0] * max(len(p) for p in paths)
+        for path in paths:
+            width[len(path) - 1] = max(width[len(path) - 1], path[-1] + 1)
+        ranked = [log_probs[d].topk(w) for d, w in enumerate(width)]
+        by_path = {(): 0}
+        for path in paths:
+            top = ranked[len(path) - 1]
+            rank = path[-1]
+            by_path[path] = growth.add(
+                int(top.indices[rank]), by_path[path[:-1]], rank, float(top.values[rank])
+            )
+        return growth.draft(list(range(1, len(growth.nodes))), self._trees)
+
+
+class DraftModelDrafter(Drafter):
+    """Classic speculative sampling (Leviathan et al. 2023; Chen et al. 2023, DeepMind): a small
+    causal LM sharing the target's tokenizer drafts a chain with its own KV cache; at T>0 the
+    drafts are sampled from it. After a rejection its cache is cropped back to the committed
+    prefix."""
+
+    name = "draft_model"
+
+    def __init__(self, model: PreTrainedModel, shape: Chain, score_filter: ScoreFilter | None = None) -> None:
+        if not isinstance(shape, Chain):
+            raise ValueError("a draft model drafts chains (shape Chain)")
+        super().__init__(shape, score_filter)
+        self.model = model
+        self.vocab_size = model.get_output_embeddings().out_features
+        self.to_target = torch.arange(self.vocab_size)
+        self.reset()
+
+    def reset(self) -> None:
+        super().reset()
+        self.cache, self.fed = DynamicCache(), []
+
+    @torch.no_grad()
+    def _feed(self, tokens: list[int], contexts: list[list[int]]) -> Tensor:
+        device = next(self.model.parameters()).device
+        positions = torch.arange(len(self.fed), len(self.fed) + len(tokens), device=device)[None]
+        output = self.model(
+            input_ids=torch.tensor([tokens], device=device),
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.cache = output.past_key_values
+        self.fed.extend(tokens)
+        log_probs = output.logits[0, -1:].float().log_softmax(-1).cpu()
+        return self._filtered(contexts, 0, log_probs, self.to_target)[0]
+
+    def draft(self, root: int, sampling: Sampling, generator: torch.Generator | None = None) -> Draft:
+        sequence = [*self.history, root]
+        common = 0
+        for fed, token in zip(self.fed, sequence, strict=False):
+            if fed != token:
+                break
+            common += 1
+        common = min(common, len(sequence) - 1)  # always feed at least the root
+        select_cache_positions(self.cache, slice(0, common))
+        self.fed = self.fed[:common]
+        growth = _Growth([_Node(root, -1, 0, ())])
+        first = self._feed(sequence[common:], [sequence] if self.score_filter else [])
+
+        def step(node: int) -> Tensor:
+            contexts = [growth.context(self.history, node)] if self.score_filter else []
+            return self._feed([growth.nodes[node].token], contexts)
+
+        return self._chain(growth, first, step, self.to_target, sampling, generator)

@@ -1,0 +1,220 @@
+"""The decode loop's invariants on the tiny fp32 target (DESIGN §6):
+
+* greedy speculative output == plain greedy output, for untrained, oracle and adversarial
+  drafts × chain, static tree, dynamic tree × Medusa, EAGLE, EAGLE-3 (and a draft model);
+* the oracle accepts the whole tree depth at every step, the adversary nothing;
+* sampling through the whole loop reproduces the target's distribution (chi-square).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.data.target import target_weights
+from specdraft.eval.decode import plain_generate, speculative_generate
+from specdraft.eval.drafters import (
+    Chain,
+    DraftModelDrafter,
+    DynamicTree,
+    FeatureHeadDrafter,
+    MedusaDrafter,
+    StaticTree,
+)
+from specdraft.eval.runner import TargetRunner
+from specdraft.eval.sampling import Sampling
+from specdraft.eval.trees import best_static_tree
+from specdraft.heads.registry import build_head
+from specdraft.heads.vocab import draft_vocab_from_counts
+
+MAX_NEW = 40
+GREEDY = Sampling()
+SHAPES = {
+    "chain": Chain(depth=4),
+    "static": StaticTree(tuple(best_static_tree([[0.6, 0.2, 0.1], [0.5, 0.2], [0.5, 0.2], [0.5]], 12))),
+    "dynamic": DynamicTree(depth=4, top_k=3, total_tokens=10),
+}
+HEADS = {
+    "medusa": {"num_heads": 4},
+    "eagle": {},
+    "eagle3": {"draft_vocab_size": None},
+    "eagle3-reduced": {"draft_vocab_size": 200},
+}
+
+
+def random_head(target, kind: str):
+    torch.manual_seed(1)
+    maps = ()
+    if kind == "eagle3-reduced":  # a draft vocabulary of the 200 lowest ids: tests d2t on the way
+        counts = torch.zeros(target.spec.vocab_size).index_fill_(0, torch.arange(200), 1.0)
+        maps = draft_vocab_from_counts(counts, 200)
+    head = build_head(kind.removesuffix("-reduced"), HEADS[kind], target.spec, target_weights(target), *maps)
+    with torch.no_grad():  # untrained, but not the near-identity of a fresh init
+        for parameter in head.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    return head.eval()
+
+
+def drafter_for(head, kind: str, shape, score_filter=None):
+    if kind == "medusa":
+        return MedusaDrafter(head, shape, score_filter)
+    return FeatureHeadDrafter(head, shape, score_filter)
+
+
+def runner_for(target, kind: str) -> TargetRunner:
+    return TargetRunner(target, target.spec.aux_layer_ids if kind.startswith("eagle3") else ())
+
+
+def prompt_ids(target, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, target.spec.vocab_size, (12,), generator=generator)
+
+
+def reference_filter(reference: list[int], oracle: bool):
+    """Oracle: put the true continuation first; adversary: never propose it."""
+
+    def score_filter(context: list[int], ahead: int, scores: torch.Tensor) -> torch.Tensor:
+        index = len(context) + ahead
+        if context != reference[: len(context)] or index >= len(reference):
+            return scores
+        scores = scores.clone()
+        scores[reference[index]] = scores.max() + 30.0 if oracle else float("-inf")
+        return scores
+
+    return score_filter
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_target):
+    prompt = prompt_ids(tiny_target)
+    generation = plain_generate(TargetRunner(tiny_target), prompt, MAX_NEW, GREEDY, ())
+    return prompt, generation.tokens
+
+
+@pytest.mark.parametrize("draft", ["untrained", "oracle", "adversarial"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("kind", list(HEADS))
+def test_greedy_speculative_equals_plain(tiny_target, plain, kind, shape, draft):
+    if kind == "medusa" and shape == "dynamic":
+        pytest.skip("Medusa candidates do not depend on the drafted prefix: static trees only")
+    if kind == "eagle3-reduced" and draft == "oracle":
+        pytest.skip("the true continuation may lie outside a reduced draft vocabulary")
+    prompt, expected = plain
+    reference = prompt.tolist() + expected
+    score_filter = None if draft == "untrained" else reference_filter(reference, draft == "oracle")
+    drafter = drafter_for(random_head(tiny_target, kind), kind, SHAPES[shape], score_filter)
+    generation = speculative_generate(runner_for(tiny_target, kind), drafter, prompt, MAX_NEW, GREEDY, ())
+    assert generation.tokens == expected
+    accepted = [step.accepted for step in generation.steps]
+    if draft == "oracle":
+        assert all(step.accepted == step.depth == 4 for step in generation.steps[:-1]), accepted
+        assert len(generation.steps) == -(-(MAX_NEW - 1) // 5)  # 1 + 5 per step
+    elif draft == "adversarial":
+        assert accepted == [0] * (MAX_NEW - 1)
+
+
+def test_greedy_stops_at_eos_and_equals_plain(tiny_target):
+    """EOS inside an accepted path ends the output right after it, as in plain decoding."""
+    prompt = prompt_ids(tiny_target, seed=3)
+    free = plain_generate(TargetRunner(tiny_target), prompt, MAX_NEW, GREEDY, ()).tokens
+    eos = free[17]  # pretend a mid-sequence token ends the turn
+    expected = plain_generate(TargetRunner(tiny_target), prompt, MAX_NEW, GREEDY, {eos})
+    assert expected.stop == "eos" and expected.tokens == free[: free.index(eos) + 1]
+    reference = prompt.tolist() + free
+    drafter = FeatureHeadDrafter(
+        random_head(tiny_target, "eagle"), SHAPES["dynamic"], reference_filter(reference, True)
+    )
+    generation = speculative_generate(TargetRunner(tiny_target), drafter, prompt, MAX_NEW, GREEDY, {eos})
+    assert (generation.tokens, generation.stop) == (expected.tokens, "eos")
+
+
+def test_draft_model_and_threshold_chain_equal_plain(tiny_target, plain):
+    """Classic speculative decoding with a (different) small LM, fixed and threshold chains."""
+    from specdraft.data.tiny import tiny_random_target
+
+    prompt, expected = plain
+    draft_model = tiny_random_target(seed=5).model
+    for shape in (Chain(depth=3), Chain(depth=6, threshold=0.3)):
+        drafter = DraftModelDrafter(draft_model, shape)
+        generation = speculative_generate(TargetRunner(tiny_target), drafter, prompt, MAX_NEW, GREEDY, ())
+        assert generation.tokens == expected
+    threshold = FeatureHeadDrafter(random_head(tiny_target, "eagle"), Chain(depth=6, threshold=0.3))
+    generation = speculative_generate(TargetRunner(tiny_target), threshold, prompt, MAX_NEW, GREEDY, ())
+    assert generation.tokens == expected
+    assert {step.depth for step in generation.steps} != {6}  # the threshold did cut some chains
+
+
+def test_draft_model_oracle_accepts_the_whole_chain(tiny_target, plain):
+    prompt, expected = plain
+    drafter = DraftModelDrafter(tiny_target.model, Chain(depth=3))  # the target drafting for itself
+    generation = speculative_generate(TargetRunner(tiny_target), drafter, prompt, MAX_NEW, GREEDY, ())
+    assert generation.tokens == expected
+    assert all(step.accepted == 3 for step in generation.steps[:-1])
+
+
+# -- sampling: the emitted distribution is the target's -----------------------------------------
+TRIALS = 1500
+CHI2_CRITICAL_DF15_P001 = 37.70  # 16 cells, p = 0.001
+TOP4 = Sampling(temperature=1.0, top_k=4)  # 4 tokens per step -> 16 (first, second) cells
+
+
+def target_pair_probabilities(target, prompt: torch.Tensor):
+    """Exact P(first, second) under TOP4 processing, from plain forwards."""
+    with torch.no_grad():
+        first = TOP4.probs(target.model(input_ids=prompt[None]).logits[0, -1])
+        tokens = first.nonzero().flatten().tolist()
+        table = {}
+        for a in tokens:
+            second = TOP4.probs(
+                target.model(input_ids=torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1]
+            )
+            for b in second.nonzero().flatten().tolist():
+                table[(a, b)] = float(first[a] * second[b])
+    return table
+
+
+def near_target_filter(target, strength: float):
+    """Draft scores = the target's own (top-4) log-probs + fixed noise: drafts that are often, not
+    always, accepted, so both acceptance and rejection paths run."""
+    cache = {}
+
+    def score_filter(context: list[int], ahead: int, scores: torch.Tensor) -> torch.Tensor:
+        key = (tuple(context), ahead)
+        if key not in cache:
+            with torch.no_grad():
+                logits = target.model(input_ids=torch.tensor([context])).logits[0, -1].float()
+            noise = torch.randn(logits.shape, generator=torch.Generator().manual_seed(len(cache)))
+            cache[key] = TOP4.probs(logits).log() + strength * noise
+        return cache[key]
+
+    return score_filter
+
+
+@pytest.mark.parametrize(
+    "kind,shape",
+    [
+        ("eagle", Chain(depth=2)),
+        ("eagle", DynamicTree(depth=2, top_k=2, total_tokens=5)),
+        ("medusa", StaticTree(((0,), (1,), (0, 0)))),
+    ],
+    ids=["eagle-chain", "eagle-dynamic-tree", "medusa-static-tree"],
+)
+def test_sampling_reproduces_the_target_distribution(tiny_target, kind, shape):
+    prompt = prompt_ids(tiny_target, seed=7)
+    expected = target_pair_probabilities(tiny_target, prompt)
+    drafter = drafter_for(random_head(tiny_target, kind), kind, shape, near_target_filter(tiny_target, 0.5))
+    runner = runner_for(tiny_target, kind)
+    generator = torch.Generator().manual_seed(0)
+    counts: dict[tuple[int, int], int] = {}
+    outcomes = {"accepted some": 0, "rejected some": 0}
+    for _ in range(TRIALS):
+        generation = speculative_generate(runner, drafter, prompt, 2, TOP4, (), generator)
+        pair = tuple(generation.tokens[:2])
+        counts[pair] = counts.get(pair, 0) + 1
+        step = generation.steps[0]
+        outcomes["accepted some"] += step.accepted > 0
+        outcomes["rejected some"] += step.accepted < step.depth
+    assert set(counts) <= set(expected)
+    chi2 = sum((counts.get(cell, 0) - TRIALS * p) ** 2 / (TRIALS * p) for cell, p in expected.items())
+    assert chi2 < CHI2_CRITICAL_DF15_P001, (chi2, counts)
+    assert min(outcomes.values()) > 0.1 * TRIALS, outcomes  # both branches of the rule ran
