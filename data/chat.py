@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
@@ -214,3 +215,12 @@ def _mark_answer(
 def _skip(report: TokenizeReport, reason: str, conversation_id: str) -> None:
     report.skipped[reason] += 1
     report.skipped_example.setdefault(reason, conversation_id)
+
+
+def assistant_token_counts(samples: Iterable[TokenizedConversation], vocab_size: int) -> torch.Tensor:
+    """V int64: how often each token occurs under the loss mask (assistant tokens) of ``samples``."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for sample in samples:
+        ids = torch.tensor(sample.input_ids)[torch.tensor(sample.loss_mask, dtype=torch.bool)]
+        counts += torch.bincount(ids, minlength=vocab_size)
+    return counts

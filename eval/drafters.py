@@ -24,13 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
 from specdraft.eval.runner import TargetOutput, select_cache_positions
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.trees import TreeBuffers, tree_buffers
-from specdraft.heads.eagle import FeatureHead
+from specdraft.heads.eagle import EagleHead, FeatureHead
 from specdraft.heads.layers import causal_mask
 from specdraft.heads.medusa import MedusaHead
 
@@ -123,11 +124,15 @@ class _Growth:
             node = self.nodes[node].parent
         return history + path[::-1]
 
-    def draft(self, keep: list[int], tree_cache: dict) -> Draft:
+    def draft(self, keep: list[int], tree_cache: dict | None) -> Draft:
+        """The Draft of nodes ``keep``; ``tree_cache`` memoises buffers of recurring shapes
+        (chains, static trees; a dynamic tree's shape changes every step, so it passes None)."""
         paths = tuple(sorted((self.nodes[i].path for i in keep), key=lambda p: (len(p), p)))
-        tree = tree_cache.get(paths)
+        tree = tree_cache.get(paths) if tree_cache is not None else None
         if tree is None:
-            tree = tree_cache.setdefault(paths, tree_buffers(paths))
+            tree = tree_buffers(paths)
+            if tree_cache is not None:
+                tree_cache[paths] = tree
         by_path = {self.nodes[i].path: self.nodes[i].token for i in keep}
         tokens = torch.tensor([self.nodes[0].token, *(by_path[p] for p in tree.paths)])
         return Draft(tokens, tree)
@@ -220,14 +225,36 @@ class FeatureHeadDrafter(Drafter):
     computed from the TARGET's features (the accepted path's features are fed back after every
     verification); tree nodes get temporary entries that live for one drafting round."""
 
-    def __init__(self, head: FeatureHead, shape: TreeShape, score_filter: ScoreFilter | None = None) -> None:
+    def __init__(
+        self,
+        head: FeatureHead,
+        shape: TreeShape,
+        score_filter: ScoreFilter | None = None,
+        vocab_shortlist: Tensor | None = None,
+    ) -> None:
         super().__init__(shape, score_filter)
         self.head = head
         self.name = type(head).__name__
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
         self.vocab_size = head.spec.vocab_size
-        self.to_target = head.draft_to_target(torch.arange(head.draft_vocab_size, device=self.device)).cpu()
+        self.shortlist_weight: Tensor | None = None
+        if vocab_shortlist is None:
+            self.to_target = head.draft_to_target(
+                torch.arange(head.draft_vocab_size, device=self.device)
+            ).cpu()
+        else:
+            # FR-Spec-style drafting over the most frequent tokens only: the frozen lm_head is
+            # the largest matmul of a drafting step, and verification keeps the output exact.
+            if not isinstance(head, EagleHead):
+                raise ValueError(
+                    "vocab_shortlist applies to EAGLE-1/2 heads; EAGLE-3 drafts over its own vocab"
+                )
+            ids = vocab_shortlist.long().unique().cpu()
+            if ids.numel() == 0 or ids[0] < 0 or ids[-1] >= self.vocab_size:
+                raise ValueError(f"vocab_shortlist: ids must lie in 0..{self.vocab_size - 1}")
+            self.to_target = ids
+            self.shortlist_weight = head.target_lm_head[ids.to(self.device)].to(self.dtype).contiguous()
         self.reset()
 
     def reset(self) -> None:
@@ -255,7 +282,11 @@ class FeatureHeadDrafter(Drafter):
         self.root_log_probs = self._log_probs(self.root_output[0], [[*self.history, next_token]])[0]
 
     def _log_probs(self, outputs: Tensor, contexts: list[list[int]]) -> Tensor:
-        log_probs = self.head.logits(outputs).float().log_softmax(-1).cpu()
+        if self.shortlist_weight is None:
+            logits = self.head.logits(outputs)
+        else:
+            logits = F.linear(outputs, self.shortlist_weight)
+        log_probs = logits.float().log_softmax(-1).cpu()
         return self._filtered(contexts, 0, log_probs, self.to_target)
 
     @torch.no_grad()
@@ -350,7 +381,7 @@ class FeatureHeadDrafter(Drafter):
             frontier = [children[i] for i in sorted(best)]
         # Global rerank; a stable sort keeps parents (created first, never lower-scored) ahead of children.
         candidates = sorted(range(1, len(growth.nodes)), key=lambda n: -growth.nodes[n].score)
-        return growth.draft(sorted(candidates[: shape.total_tokens - 1]), self._trees)
+        return growth.draft(sorted(candidates[: shape.total_tokens - 1]), None)
 
 
 class MedusaDrafter(Drafter):

@@ -25,7 +25,8 @@ from specdraft.eval.trees import TreeBuffers
 
 @dataclass(frozen=True)
 class TargetOutput:
-    """For n positions: logits n×V (fp32), hidden n×H (after the final norm), aux n×k·H or None."""
+    """For n positions (in the target's dtype): logits n×V, hidden n×H (after the final norm),
+    aux n×k·H or None."""
 
     logits: Tensor
     hidden: Tensor
@@ -84,7 +85,7 @@ class TargetRunner:
                 handle.remove()
         self.cache = output.past_key_values
         hidden = output.last_hidden_state[0]
-        logits = self.model.get_output_embeddings()(hidden).float()
+        logits = self.model.get_output_embeddings()(hidden)  # target dtype: fp32 copies cost ms per tree
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1) if self.aux_layer_ids else None
         return TargetOutput(logits, hidden, aux)
 

@@ -51,10 +51,9 @@ def chain_paths(depth: int) -> list[tuple[int, ...]]:
 
 
 def tree_buffers(paths: Sequence[Sequence[int]]) -> TreeBuffers:
-    """Buffers for a static tree given by ``paths`` (every prefix of a path must be a path too)."""
+    """Buffers for a static tree given by ``paths`` (every prefix of a path must be a path too;
+    no paths at all is the root alone)."""
     ordered = sorted({tuple(int(r) for r in path) for path in paths}, key=lambda p: (len(p), p))
-    if not ordered:
-        raise ValueError("a draft tree needs at least one path")
     for path in ordered:
         if not path or min(path) < 0:
             raise ValueError(f"tree path {list(path)}: ranks must be >= 0 and paths non-empty")
@@ -74,8 +73,8 @@ def tree_buffers(paths: Sequence[Sequence[int]]) -> TreeBuffers:
             mask[node, index[path[:d]]] = True
 
     is_prefix = {p[:-1] for p in ordered}
-    leaves = sorted(p for p in ordered if p not in is_prefix)
-    depth = max(len(p) for p in ordered)
+    leaves = sorted(p for p in ordered if p not in is_prefix) or [()]  # no paths: the root alone
+    depth = max((len(p) for p in ordered), default=0)
     retrieve = torch.full((len(leaves), depth + 1), -1, dtype=torch.long)
     for row, leaf in enumerate(leaves):
         retrieve[row, : len(leaf) + 1] = torch.tensor([index[leaf[:d]] for d in range(len(leaf) + 1)])

@@ -218,3 +218,20 @@ def test_sampling_reproduces_the_target_distribution(tiny_target, kind, shape):
     chi2 = sum((counts.get(cell, 0) - TRIALS * p) ** 2 / (TRIALS * p) for cell, p in expected.items())
     assert chi2 < CHI2_CRITICAL_DF15_P001, (chi2, counts)
     assert min(outcomes.values()) > 0.1 * TRIALS, outcomes  # both branches of the rule ran
+
+
+def test_vocab_shortlist_keeps_greedy_output_and_drafts_inside_it(tiny_target, plain):
+    prompt, expected = plain
+    shortlist = torch.arange(3, 150)
+    head = random_head(tiny_target, "eagle")
+    drafter = FeatureHeadDrafter(head, SHAPES["dynamic"], vocab_shortlist=shortlist)
+    generation = speculative_generate(TargetRunner(tiny_target), drafter, prompt, MAX_NEW, GREEDY, ())
+    assert generation.tokens == expected
+    drafter.reset()
+    runner = TargetRunner(tiny_target)
+    output = runner.prefill(prompt)
+    drafter.commit(prompt.tolist(), output, expected[0])
+    draft = drafter.draft(expected[0], GREEDY)
+    assert draft.tokens[1:].min() >= 3 and draft.tokens[1:].max() < 150
+    with pytest.raises(ValueError, match="EAGLE-1/2"):
+        FeatureHeadDrafter(random_head(tiny_target, "eagle3"), SHAPES["chain"], vocab_shortlist=shortlist)

@@ -49,8 +49,6 @@ def test_attention_bias_sees_the_past():
 def test_bad_paths_are_refused():
     with pytest.raises(ValueError, match=r"missing \[\[1\]\]"):
         tree_buffers([[0], [1, 0]])
-    with pytest.raises(ValueError, match="at least one path"):
-        tree_buffers([])
     with pytest.raises(ValueError, match="ranks must be >= 0"):
         tree_buffers([[-1]])
 
@@ -65,3 +63,9 @@ def test_best_static_tree_is_the_top_paths_by_reach():
     assert best_static_tree([[1.0]] * 3, 10) == [(0,), (0, 0), (0, 0, 0)]  # a chain, capped by depth
     with pytest.raises(ValueError, match="rank_accept"):
         best_static_tree([[1.5]], 2)
+
+
+def test_root_alone():
+    buffers = tree_buffers([])
+    assert buffers.num_nodes == 1 and buffers.retrieve_indices.tolist() == [[0]]
+    assert buffers.attention_mask.tolist() == [[True]] and buffers.depths.tolist() == [0]

@@ -1,0 +1,201 @@
+"""The benchmark harness behind ``specdraft-eval`` and ``specdraft-bench``.
+
+For every question, every temperature, every method (plain decoding first, then the others
+in config order — interleaved, so machine load hits all methods alike), the question's turns
+are answered one by one, each answer joining the chat before the next turn. One unit
+(question × temperature, all methods) is appended to ``records.jsonl`` as ONE line once it is
+complete, so a killed run resumes after its last complete unit, with no duplicates or holes.
+At the end ``report.json`` (and the plots) are rewritten from all records.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from specdraft.data.atomic import write_json_atomic
+from specdraft.data.target import Target
+from specdraft.eval.decode import Generation
+from specdraft.eval.methods import Method
+from specdraft.eval.prompts import Question
+from specdraft.eval.report import plot, summarize
+from specdraft.eval.sampling import Sampling
+
+log = logging.getLogger(__name__)
+
+RECORDS = "records.jsonl"
+RUN_CONFIG = "run_config.json"
+REPORT = "report.json"
+
+
+class BenchDirError(RuntimeError):
+    pass
+
+
+def prepare_output_dir(out_dir: Path, config: dict[str, Any], resume: bool) -> set[tuple[str, float]]:
+    """Create or reopen ``out_dir``; the (question id, temperature) units already done.
+
+    A reopened directory must hold the same config (``resume: false`` refuses to reopen);
+    a torn last line of records.jsonl (a kill mid-write) is cut off."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_path, records_path = out_dir / RUN_CONFIG, out_dir / RECORDS
+    if config_path.exists():
+        stored = json.loads(config_path.read_text())
+        if not resume:
+            raise BenchDirError(
+                f"{out_dir} already holds a benchmark run; pass resume=true or a new run_name"
+            )
+        differing = sorted(k for k in set(stored) | set(config) if stored.get(k) != config.get(k))
+        if differing:
+            raise BenchDirError(
+                f"{out_dir} holds a run with another config (keys {differing}); use a new run_name"
+            )
+    else:
+        write_json_atomic(config_path, config)
+    done: set[tuple[str, float]] = set()
+    if records_path.exists():
+        raw = records_path.read_bytes()
+        keep = raw[: raw.rfind(b"\n") + 1]  # everything up to the last complete line
+        if len(keep) != len(raw):
+            log.warning("%s: dropping a torn last line (%d bytes)", records_path, len(raw) - len(keep))
+            with records_path.open("r+b") as handle:
+                handle.truncate(len(keep))
+        for line in keep.splitlines():
+            unit = json.loads(line)
+            done.add((unit["question_id"], unit["temperature"]))
+    return done
+
+
+def read_records(out_dir: Path) -> list[dict[str, Any]]:
+    records = []
+    with (out_dir / RECORDS).open() as handle:
+        for line in handle:
+            records.extend(json.loads(line)["records"])
+    return records
+
+
+def _append_unit(path: Path, unit: dict[str, Any]) -> None:
+    with path.open("a") as handle:
+        handle.write(json.dumps(unit, separators=(",", ":")) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def answer(
+    target: Target, question: Question, method: Method, sampling: Sampling, seed: int
+) -> list[tuple[Generation, Sequence[int]]]:
+    """Answer the question's turns one by one with ``method``: [(generation, prompt ids)]."""
+    tokenizer, eos = target.tokenizer, set(target.spec.eos_token_ids)
+    messages: list[dict[str, str]] = []
+    answers = []
+    for turn, text in enumerate(question.turns):
+        messages.append({"role": "user", "content": text})
+        prompt = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        )
+        prompt_ids = prompt["input_ids"][0]
+        generation = method.generate(prompt_ids, sampling, seed + 1000 * turn)
+        reply = tokenizer.decode([t for t in generation.tokens if t not in eos], skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": reply})
+        answers.append((generation, prompt_ids))
+    return answers
+
+
+def record_of(
+    method: Method,
+    question: Question,
+    turn: int,
+    temperature: float,
+    generation: Generation,
+    prompt_length: int,
+) -> dict[str, Any]:
+    has_steps = method.type in ("plain", "head", "draft_model")
+    return {
+        "method": method.name,
+        "question_id": question.id,
+        "category": question.category,
+        "turn": turn,
+        "temperature": temperature,
+        "prompt_tokens": prompt_length,
+        "tokens": generation.tokens,
+        "total_s": generation.total_s,
+        "prefill_s": None if generation.prefill_s != generation.prefill_s else generation.prefill_s,
+        "stop": generation.stop,
+        "steps": [
+            [s.nodes, s.depth, s.accepted, s.draft_s, s.verify_s, s.bookkeeping_s] for s in generation.steps
+        ]
+        if has_steps
+        else None,
+    }
+
+
+def run_benchmark(
+    target: Target,
+    questions: Sequence[Question],
+    methods: Sequence[Method],
+    temperatures: Sequence[float],
+    sampling_for: Callable[[float], Sampling],
+    out_dir: Path,
+    config: dict[str, Any],
+    seed: int = 0,
+    resume: bool = True,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run (or resume) the benchmark; write records.jsonl, report.json and the plots."""
+    if not methods or methods[0].type != "plain":
+        raise ValueError("the first method must be plain decoding (the speedup reference)")
+    done = prepare_output_dir(out_dir, config, resume)
+    units = [(q, t) for q in questions for t in temperatures if (q.id, float(t)) not in done]
+    if done:
+        log.info("resuming %s: %d units done, %d to go", out_dir, len(done), len(units))
+    for question, temperature in tqdm(units, desc="bench", unit="question", disable=not progress):
+        sampling = sampling_for(temperature)
+        unit_seed = seed + zlib.crc32(question.id.encode())  # the same for every method
+        records = []
+        for method in methods:
+            for turn, (generation, prompt_ids) in enumerate(
+                answer(target, question, method, sampling, unit_seed)
+            ):
+                records.append(
+                    record_of(method, question, turn, float(temperature), generation, len(prompt_ids))
+                )
+        _append_unit(
+            out_dir / RECORDS,
+            {
+                "question_id": question.id,
+                "temperature": float(temperature),
+                "load": os.getloadavg()[0],
+                "records": records,
+            },
+        )
+    report = {
+        "machine": machine_info(),
+        "config": config,
+        "methods": {m.name: {"type": m.type, "lossless": m.lossless} for m in methods},
+        "results": summarize(read_records(out_dir)),
+    }
+    write_json_atomic(out_dir / REPORT, report)
+    report["plots"] = [str(p) for p in plot(report["results"], out_dir)]
+    return report
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "load_average_1m": os.getloadavg()[0],
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }

