@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from specdraft.eval.runner import TargetOutput, select_cache_positions
+from specdraft.eval.runner import TargetOutput, truncate_cache
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.trees import TreeBuffers, tree_buffers
 from specdraft.heads.eagle import EagleHead, FeatureHead
@@ -490,7 +490,7 @@ class DraftModelDrafter(Drafter):
                 break
             common += 1
         common = min(common, len(sequence) - 1)  # always feed at least the root
-        select_cache_positions(self.cache, slice(0, common))
+        truncate_cache(self.cache, common)
         self.fed = self.fed[:common]
         growth = _Growth([_Node(root, -1, 0, ())])
         first = self._feed(sequence[common:], [sequence] if self.score_filter else [])

@@ -120,10 +120,14 @@ class TargetRunner:
         first, in path order); drop every other verified node from the cache."""
         if not self._pending:
             raise RuntimeError("TargetRunner.commit: nothing verified since the last commit")
-        if nodes != list(range(len(nodes))):  # a prefix of the verified nodes needs no gather
-            keep = torch.cat([torch.arange(self.length), self.length + torch.tensor(nodes, dtype=torch.long)])
-            select_cache_positions(self.cache, keep.to(self.target.device))
-            self._pending = len(nodes)
+        if nodes != list(range(len(nodes))):  # a prefix of the verified nodes needs no move
+            # Move the accepted nodes' K/V right after the committed past (only those rows are
+            # copied; the committed past stays where it is), then cut the rest off.
+            source = self.length + torch.tensor(nodes, dtype=torch.long, device=self.target.device)
+            destination = slice(self.length, self.length + len(nodes))
+            for layer in _plain_layers(self.cache):
+                layer.keys[:, :, destination] = layer.keys[:, :, source]
+                layer.values[:, :, destination] = layer.values[:, :, source]
         self._drop_pending(keep=len(nodes))
 
     def _drop_pending(self, keep: int = 0) -> None:
@@ -131,15 +135,20 @@ class TargetRunner:
         if self._pending:
             self.length += keep
             if self._pending > keep:
-                select_cache_positions(self.cache, slice(0, self.length))
+                truncate_cache(self.cache, self.length)
             self._pending = 0
 
 
-def select_cache_positions(cache: DynamicCache, positions: Tensor | slice) -> None:
-    """Keep only ``positions`` (an index tensor or a slice) of every layer's keys and values."""
+def _plain_layers(cache: DynamicCache):
     for layer in cache.layers:
         if hasattr(layer, "cumulative_length"):  # sliding-window layers keep a running count
             raise NotImplementedError(f"KV compaction of {type(layer).__name__} caches is not supported")
         if layer.keys is not None:
-            layer.keys = layer.keys[:, :, positions]
-            layer.values = layer.values[:, :, positions]
+            yield layer
+
+
+def truncate_cache(cache: DynamicCache, length: int) -> None:
+    """Keep the first ``length`` positions of every layer's keys and values (a view, no copy)."""
+    for layer in _plain_layers(cache):
+        layer.keys = layer.keys[:, :, :length]
+        layer.values = layer.values[:, :, :length]
