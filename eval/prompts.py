@@ -40,9 +40,13 @@ class Question:
 
 
 def read_spec_bench(
-    path: str | Path, categories: Sequence[str] | None = None, limit: int | None = None
+    path: str | Path,
+    categories: Sequence[str] | None = None,
+    limit: int | None = None,
+    max_turns: int | None = None,
 ) -> list[Question]:
-    """Questions of a Spec-Bench-style JSONL file, optionally of some categories only."""
+    """Questions of a Spec-Bench-style JSONL file, optionally of some categories only, with at
+    most ``max_turns`` turns each (None: all)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist (set prompts.path)")
@@ -63,9 +67,8 @@ def read_spec_bench(
             category = str(record.get("category", "default"))
             seen_categories.add(category)
             if wanted is None or category in wanted:
-                questions.append(
-                    Question(str(record.get("question_id", line_number)), category, tuple(turns))
-                )
+                question_id = str(record.get("question_id", line_number))
+                questions.append(Question(question_id, category, tuple(turns[:max_turns])))
     if wanted and not wanted <= seen_categories:
         raise ValueError(
             f"{path}: no question of categories {sorted(wanted - seen_categories)}; "
