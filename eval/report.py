@@ -20,15 +20,21 @@ from pathlib import Path
 from typing import Any
 
 NODES, DEPTH, ACCEPTED, DRAFT_S, VERIFY_S, BOOKKEEPING_S = range(6)
+MIN_PLOTTED_ATTEMPTS = 30  # a depth tried fewer times is left off the plot (its rate is noise)
+
+
+def depth_attempts(steps: Sequence[Sequence[float]]) -> list[int]:
+    """For d = 1..max depth: the steps whose tree reached depth d with depth d−1 accepted."""
+    max_depth = max((int(s[DEPTH]) for s in steps), default=0)
+    return [sum(s[DEPTH] >= d and s[ACCEPTED] >= d - 1 for s in steps) for d in range(1, max_depth + 1)]
 
 
 def acceptance_per_depth(steps: Sequence[Sequence[float]]) -> list[float | None]:
     """α_d for d = 1..max depth (None where no step reached depth d)."""
-    max_depth = max((int(s[DEPTH]) for s in steps), default=0)
     rates: list[float | None] = []
-    for d in range(1, max_depth + 1):
-        reached = [s for s in steps if s[DEPTH] >= d and s[ACCEPTED] >= d - 1]
-        rates.append(sum(s[ACCEPTED] >= d for s in reached) / len(reached) if reached else None)
+    for d, attempts in enumerate(depth_attempts(steps), start=1):
+        accepted = sum(s[ACCEPTED] >= d for s in steps)
+        rates.append(accepted / attempts if attempts else None)
     return rates
 
 
@@ -55,6 +61,7 @@ def metrics(records: Sequence[dict[str, Any]], plain: Sequence[dict[str, Any]] |
             target_forwards=forwards,
             tau=committed / forwards if forwards else None,
             acceptance_per_depth=acceptance_per_depth(steps),
+            depth_attempts=depth_attempts(steps),
             mean_nodes=statistics.fmean(s[NODES] for s in steps) if steps else None,
             draft_ms=_mean_ms(steps, DRAFT_S),
             verify_ms=_mean_ms(steps, VERIFY_S),
@@ -142,13 +149,19 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[Path]:
     figure, axes = plt.subplots(figsize=(7, 4.5))
     for temperature, methods in report.items():
         for method, entry in methods.items():
-            rates = entry["overall"].get("acceptance_per_depth")
-            if rates:
-                depths = [d for d, r in enumerate(rates, start=1) if r is not None]
-                axes.plot(
-                    depths, [r for r in rates if r is not None], marker="o", label=f"{method} ({temperature})"
-                )
-    axes.set(xlabel="draft depth d", ylabel="acceptance rate α_d", title="Acceptance per depth", ylim=(0, 1))
+            overall = entry["overall"]
+            rates = overall.get("acceptance_per_depth") or []
+            attempts = overall.get("depth_attempts") or []
+            points = [
+                (d, rate)
+                for d, (rate, tried) in enumerate(zip(rates, attempts, strict=True), start=1)
+                if rate is not None and tried >= MIN_PLOTTED_ATTEMPTS
+            ]
+            if points:
+                axes.plot(*zip(*points, strict=True), marker="o", label=f"{method} ({temperature})")
+    axes.set(xlabel="draft depth d", ylabel="acceptance rate α_d", ylim=(0, 1))
+    axes.set_title(f"Acceptance per depth (depths tried ≥ {MIN_PLOTTED_ATTEMPTS} times)")
+    axes.xaxis.get_major_locator().set_params(integer=True)
     axes.legend(fontsize=7)
     figure.tight_layout()
     written.append(out_dir / "acceptance_per_depth.png")

@@ -18,7 +18,7 @@ from specdraft.eval.bench import RECORDS, BenchDirError
 from specdraft.eval.cli import format_table, run
 from specdraft.eval.load import load_head
 from specdraft.eval.prompts import read_spec_bench
-from specdraft.eval.report import acceptance_per_depth
+from specdraft.eval.report import acceptance_per_depth, depth_attempts
 from specdraft.heads.registry import build_head
 
 QUESTIONS = [
@@ -141,6 +141,7 @@ def test_acceptance_per_depth_literal():
     # depth 3 tried once (the depth-3 tree whose depth 2 was accepted), accepted 0×.
     steps = [[4, 3, 2, 0, 0, 0], [4, 2, 0, 0, 0, 0], [4, 2, 1, 0, 0, 0]]
     assert acceptance_per_depth(steps) == [2 / 3, 1 / 2, 0.0]
+    assert depth_attempts(steps) == [3, 2, 1]
 
 
 def test_a_head_trained_by_specdraft_train_decodes_losslessly(tmp_path):
