@@ -262,6 +262,7 @@ class FeatureHeadDrafter(Drafter):
         self.past_key = self.past_value = None
         self.root_output: Tensor | None = None  # 1×1×H, the head's output at the last committed position
         self.root_log_probs: Tensor | None = None  # V', candidates for depth 1
+        self._next_root: int | None = None  # the root the last commit announced
 
     @torch.no_grad()
     def commit(self, tokens: list[int], target: TargetOutput, next_token: int) -> None:
@@ -291,7 +292,7 @@ class FeatureHeadDrafter(Drafter):
 
     @torch.no_grad()
     def draft(self, root: int, sampling: Sampling, generator: torch.Generator | None = None) -> Draft:
-        if root != self._next_root:
+        if self._next_root is None or root != self._next_root:
             raise ValueError(f"draft(root={root}) but the last commit announced root {self._next_root}")
         growth = _Growth([_Node(root, -1, 0, ())])
         outputs = {0: self.root_output}
