@@ -27,7 +27,7 @@ from specdraft.eval.acceptance import (
 )
 from specdraft.eval.drafters import Drafter
 from specdraft.eval.runner import TargetRunner
-from specdraft.eval.sampling import Sampling
+from specdraft.eval.sampling import Sampling, greedy_tokens
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ def _accept(
         return [0, *accepted], next_token
     if sampling.greedy:
         retrieve = tree.retrieve_indices
-        argmax = logits.argmax(-1).cpu()
+        argmax = greedy_tokens(logits).cpu()
         candidates = torch.where(retrieve[:, 1:] >= 0, draft.tokens[retrieve[:, 1:].clamp(min=0)], -1)
         row, count = greedy_accept(candidates, argmax[retrieve.clamp(min=0)])
         nodes = retrieve[row, : count + 1].tolist()

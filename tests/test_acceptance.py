@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from specdraft.eval.acceptance import greedy_accept, speculative_sample_chain, tree_rejection_sample
+from specdraft.eval.sampling import greedy_tokens
 from specdraft.eval.trees import tree_buffers
 
 VOCAB = 4
@@ -113,3 +114,10 @@ def wrong_tree_rule(tokens, parents, target_probs, generator):
 def test_tree_rejection_sampling_preserves_the_target_distribution():
     assert chi_square(tree_emit(tree_rejection_sample)) < CHI2_CRITICAL_DF15_P001
     assert chi_square(tree_emit(wrong_tree_rule)) > 10 * CHI2_CRITICAL_DF15_P001
+
+
+def test_greedy_tokens_take_the_first_maximum_like_argmax():
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randint(0, 40, (64, 5000), generator=generator).float() / 8).bfloat16()  # many ties
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+    assert int(greedy_tokens(torch.tensor([1.0, 3.0, 3.0]))) == 1
