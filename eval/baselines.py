@@ -98,4 +98,4 @@ def hf_generate(
     total = time.perf_counter() - start
     tokens = output[0, len(prompt_ids) :].tolist()
     stop = "eos" if tokens and tokens[-1] in eos_ids else "length"
-    return Generation(tokens, prefill_s=float("nan"), total_s=total, stop=stop)
+    return Generation(tokens, prefill_s=None, total_s=total, stop=stop)

@@ -119,7 +119,7 @@ def record_of(
     generation: Generation,
     prompt_length: int,
 ) -> dict[str, Any]:
-    has_steps = method.type in ("plain", "head", "draft_model")
+    has_steps = method.type != "hf"  # HF generate exposes no per-step record
     return {
         "method": method.name,
         "question_id": question.id,
@@ -129,7 +129,7 @@ def record_of(
         "prompt_tokens": prompt_length,
         "tokens": generation.tokens,
         "total_s": generation.total_s,
-        "prefill_s": None if generation.prefill_s != generation.prefill_s else generation.prefill_s,
+        "prefill_s": generation.prefill_s,
         "stop": generation.stop,
         "steps": [
             [s.nodes, s.depth, s.accepted, s.draft_s, s.verify_s, s.bookkeeping_s] for s in generation.steps

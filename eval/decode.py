@@ -55,7 +55,7 @@ class Generation:
     """The generated tokens (EOS included when reached) and how they were obtained."""
 
     tokens: list[int]
-    prefill_s: float
+    prefill_s: float | None  # None when the generator does not expose it (HF generate)
     total_s: float
     stop: str  # "eos" | "length"
     steps: list[StepRecord] = field(default_factory=list)
@@ -137,7 +137,8 @@ def speculative_generate(
     drafter.reset()
     drafter.commit(prompt_ids.tolist(), output, root)
     tokens, steps = [root], []
-    while (stop := _finish(tokens, max_new_tokens, eos_ids)[1]) is None:
+    stop = _finish(tokens, max_new_tokens, eos_ids)[1]
+    while stop is None:
         begin = _sync(device)
         draft = drafter.draft(root, sampling, generator)
         drafted = _sync(device)
@@ -148,7 +149,8 @@ def speculative_generate(
         accepted_tokens = draft.tokens[nodes].tolist()
         tokens.extend([*accepted_tokens[1:], root])
         drafter.observe(draft.tree.num_nodes - 1, len(nodes) - 1)
-        if _finish(tokens, max_new_tokens, eos_ids)[1] is None:  # no drafting state needed after the end
+        stop = _finish(tokens, max_new_tokens, eos_ids)[1]
+        if stop is None:  # no drafting state is needed after the end
             drafter.commit(accepted_tokens, output.rows(nodes), root)
         depth = int(draft.tree.depths.max())
         steps.append(
@@ -161,7 +163,7 @@ def speculative_generate(
                 _sync(device) - verified,
             )
         )
-    tokens, stop = _finish(tokens, max_new_tokens, eos_ids)
+    tokens, stop = _finish(tokens, max_new_tokens, eos_ids)  # cut what the last step accepted beyond the end
     return Generation(tokens, prefill_s, _sync(device) - start, stop, steps)
 
 

@@ -124,15 +124,9 @@ class _Growth:
             node = self.nodes[node].parent
         return history + path[::-1]
 
-    def draft(self, keep: list[int], tree_cache: dict | None) -> Draft:
-        """The Draft of nodes ``keep``; ``tree_cache`` memoises buffers of recurring shapes
-        (chains, static trees; a dynamic tree's shape changes every step, so it passes None)."""
-        paths = tuple(sorted((self.nodes[i].path for i in keep), key=lambda p: (len(p), p)))
-        tree = tree_cache.get(paths) if tree_cache is not None else None
-        if tree is None:
-            tree = tree_buffers(paths)
-            if tree_cache is not None:
-                tree_cache[paths] = tree
+    def draft(self, keep: list[int], tree_of: Callable[[tuple[tuple[int, ...], ...]], TreeBuffers]) -> Draft:
+        """The Draft of nodes ``keep``; ``tree_of(paths)`` builds (or recalls) their buffers."""
+        tree = tree_of(tuple(sorted((self.nodes[i].path for i in keep), key=lambda p: (len(p), p))))
         by_path = {self.nodes[i].path: self.nodes[i].token for i in keep}
         tokens = torch.tensor([self.nodes[0].token, *(by_path[p] for p in tree.paths)])
         return Draft(tokens, tree)
@@ -153,6 +147,13 @@ class Drafter:
     def max_depth(self) -> int:
         shape = self.shape
         return max(len(p) for p in shape.paths) if isinstance(shape, StaticTree) else shape.depth
+
+    def _memoised_tree(self, paths: tuple[tuple[int, ...], ...]) -> TreeBuffers:
+        """Buffers of a recurring shape (chains, static trees), built once."""
+        tree = self._trees.get(paths)
+        if tree is None:
+            tree = self._trees[paths] = tree_buffers(paths)
+        return tree
 
     def reset(self) -> None:
         self.history = []
@@ -215,7 +216,7 @@ class Drafter:
                 probs.append(torch.zeros(self.vocab_size).index_copy_(0, to_target, q))
             if d < depth:
                 log_probs = step(node)
-        result = growth.draft(list(range(1, len(growth.nodes))), self._trees)
+        result = growth.draft(list(range(1, len(growth.nodes))), self._memoised_tree)
         result.draft_probs = torch.stack(probs) if probs else None
         return result
 
@@ -337,9 +338,7 @@ class FeatureHeadDrafter(Drafter):
         return self._dynamic(growth, shape, expand)
 
     def _static(self, growth: _Growth, shape: StaticTree, expand: Callable[[list[int]], Tensor]) -> Draft:
-        tree = self._trees.get(shape.paths)
-        if tree is None:
-            tree = self._trees.setdefault(shape.paths, tree_buffers(shape.paths))
+        tree = self._memoised_tree(tuple(sorted(shape.paths, key=lambda p: (len(p), p))))
         width: dict[tuple[int, ...], int] = {}  # children needed per parent path
         for path in tree.paths:
             width[path[:-1]] = max(width.get(path[:-1], 0), path[-1] + 1)
@@ -358,7 +357,7 @@ class FeatureHeadDrafter(Drafter):
                     if (*parent_path, rank) in in_tree:
                         node = growth.add(int(self.to_target[index]), parent, rank, score)
                         by_path[(*parent_path, rank)] = node
-        return growth.draft(list(range(1, len(growth.nodes))), self._trees)
+        return growth.draft(list(range(1, len(growth.nodes))), self._memoised_tree)
 
     def _dynamic(self, growth: _Growth, shape: DynamicTree, expand: Callable[[list[int]], Tensor]) -> Draft:
         top = self.root_log_probs.topk(shape.top_k)
@@ -382,7 +381,7 @@ class FeatureHeadDrafter(Drafter):
             frontier = [children[i] for i in sorted(best)]
         # Global rerank; a stable sort keeps parents (created first, never lower-scored) ahead of children.
         candidates = sorted(range(1, len(growth.nodes)), key=lambda n: -growth.nodes[n].score)
-        return growth.draft(sorted(candidates[: shape.total_tokens - 1]), None)
+        return growth.draft(sorted(candidates[: shape.total_tokens - 1]), tree_buffers)  # new shape each step
 
 
 class MedusaDrafter(Drafter):
@@ -446,7 +445,7 @@ class MedusaDrafter(Drafter):
             by_path[path] = growth.add(
                 int(top.indices[rank]), by_path[path[:-1]], rank, float(top.values[rank])
             )
-        return growth.draft(list(range(1, len(growth.nodes))), self._trees)
+        return growth.draft(list(range(1, len(growth.nodes))), self._memoised_tree)
 
 
 class DraftModelDrafter(Drafter):

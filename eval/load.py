@@ -15,11 +15,9 @@ import torch
 from torch import nn
 
 from specdraft.data.target import Target, target_weights
-from specdraft.heads.registry import head_from_state
+from specdraft.heads.registry import CHECKPOINT_KEY, CHECKPOINT_STATE_PREFIX, head_from_state
 from specdraft.heads.spec import TargetSpec
 
-CHECKPOINT_KEY = "specdraft"  # the same key train.module writes
-HEAD_PREFIX = "head."
 SHAPE_FIELDS = ("hidden_size", "num_layers", "num_kv_heads", "head_dim", "vocab_size", "intermediate_size")
 
 
@@ -45,9 +43,9 @@ def load_head(path: str | Path, target: Target, dtype: torch.dtype | None = None
             f"shapes differ (head, target): {mismatched}"
         )
     state = {
-        key.removeprefix(HEAD_PREFIX): value
+        key.removeprefix(CHECKPOINT_STATE_PREFIX): value
         for key, value in checkpoint["state_dict"].items()
-        if key.startswith(HEAD_PREFIX)
+        if key.startswith(CHECKPOINT_STATE_PREFIX)
     }
     head = head_from_state(record["kind"], record["config"], spec, target_weights(target), state)
     return head.to(device=target.device, dtype=dtype or target.dtype).eval().requires_grad_(False)

@@ -13,6 +13,12 @@ from specdraft.heads.frozen import TargetWeights
 from specdraft.heads.medusa import MedusaConfig, MedusaHead
 from specdraft.heads.spec import TargetSpec
 
+# Where a specdraft training checkpoint keeps the head (train.module writes, eval.load reads):
+# the record {kind, config, target_spec, …} under this key, weights under "state_dict" with this
+# prefix (the LightningModule's ``head`` attribute).
+CHECKPOINT_KEY = "specdraft"
+CHECKPOINT_STATE_PREFIX = "head."
+
 HEAD_KINDS = {
     "medusa": (MedusaHead, MedusaConfig),
     "eagle": (EagleHead, EagleConfig),

@@ -16,9 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from specdraft.data.features import FeatureBatch
+from specdraft.heads.registry import CHECKPOINT_KEY
 from specdraft.train.objective import DraftObjective, ObjectiveOutput, simulated_tau
-
-CHECKPOINT_KEY = "specdraft"
 
 
 class DraftHeadModule(L.LightningModule):
