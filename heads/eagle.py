@@ -198,8 +198,8 @@ class Eagle3Head(FeatureHead):
         self.register_buffer("t2d", t2d.bool())
         self.register_buffer("target_to_draft", target_to_draft_index(self.t2d), persistent=False)
         # Warm start from the target: its final norm and the lm_head rows of the draft vocabulary.
-        draft_to_target = torch.arange(draft_vocab) + self.d2t
-        self.lm_head.weight.data.copy_(weights.lm_head[draft_to_target].float())
+        draft_to_target = torch.arange(draft_vocab, device=self.d2t.device) + self.d2t
+        self.lm_head.weight.data.copy_(weights.lm_head[draft_to_target.to(weights.lm_head.device)].float())
         self.norm.weight.data.copy_(weights.final_norm.float())
 
     @property

@@ -1,0 +1,313 @@
+"""Trained heads on disk: specdraft's native export and the layouts serving engines load.
+
+    config, tensors = export_files(record, "vllm", target_spec=target.spec)
+    write_export(out_dir, record, "sglang", target_spec=target.spec)
+    record = read_export(out_dir, target.spec)          # any format written here, detected
+
+| format      | kinds               | loaded by |
+|-------------|---------------------|-----------|
+| native      | medusa eagle eagle3 | specdraft-eval / specdraft-bench |
+| eagle       | eagle               | the official SafeAILab/EAGLE code (EAGLE-1/2, HASS) |
+| vllm        | eagle eagle3        | vLLM (``method: eagle`` / ``eagle3``) |
+| speculators | eagle3              | vLLM, speculators format (method and depth in the config) |
+| sglang      | eagle eagle3        | SGLang (``EAGLE`` / ``EAGLE3``) |
+| medusa      | medusa              | vLLM Medusa |
+
+Every export is checked before anything is written: the head must have been trained for the
+target it is exported for (same shapes), and the files must hold exactly the names and shapes
+of the format (engines skip unknown names silently, which costs acceptance, not an error).
+No export carries the target's embedding; only a Medusa head that drafts through the target's
+own lm_head carries that real lm_head, because vLLM's Medusa has no other source for it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specdraft.heads.formats.eagle import (
+    EAGLE3_ARCHITECTURE,
+    SGLANG_EAGLE_ARCHITECTURE,
+    eagle3_files,
+    eagle3_record,
+    eagle3_shapes,
+    eagle_files,
+    eagle_record,
+    eagle_shapes,
+)
+from specdraft.heads.formats.files import cast_floats, check_tensors, read_export_dir, write_export_dir
+from specdraft.heads.formats.medusa import medusa_files, medusa_record, medusa_shapes
+from specdraft.heads.formats.native import is_native, native_files, native_record
+from specdraft.heads.formats.record import FormatError, HeadRecord, check_target
+from specdraft.heads.frozen import TargetWeights
+from specdraft.heads.registry import CHECKPOINT_KEY, CHECKPOINT_STATE_PREFIX, HEAD_KINDS, build_head
+from specdraft.heads.spec import TargetSpec
+
+__all__ = [
+    "FORMATS",
+    "FormatError",
+    "HeadRecord",
+    "detect_format",
+    "export_files",
+    "read_checkpoint",
+    "read_export",
+    "read_head",
+    "write_export",
+]
+
+
+@dataclass(frozen=True)
+class Format:
+    kinds: tuple[str, ...]
+    loaded_by: str
+
+
+FORMATS = {
+    "native": Format(("medusa", "eagle", "eagle3"), "specdraft-eval / specdraft-bench"),
+    "eagle": Format(("eagle",), "the official SafeAILab/EAGLE code"),
+    "vllm": Format(("eagle", "eagle3"), "vLLM"),
+    "speculators": Format(("eagle3",), "vLLM (speculators format)"),
+    "sglang": Format(("eagle", "eagle3"), "SGLang"),
+    "medusa": Format(("medusa",), "vLLM Medusa"),
+}
+PROVENANCE_KEY = "specdraft"  # in foreign configs: which format/kind wrote them (engines ignore it)
+
+
+def export_files(
+    record: HeadRecord,
+    format: str,
+    *,
+    target_spec: TargetSpec,
+    target_lm_head: Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    speculative_tokens: int = 3,
+    verifier: str | None = None,
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """(config.json dict, tensors) of ``record`` in ``format``, checked against ``target_spec``.
+
+    target_lm_head V×H: needed only by a Medusa head that drafts through the target's lm_head.
+    dtype: the floating-point dtype of the written weights (None: as trained).
+    speculative_tokens / verifier: the speculators format's proposal depth and target path.
+    """
+    if format not in FORMATS:
+        raise FormatError(f"unknown export format {format!r}; expected one of {sorted(FORMATS)}")
+    if record.kind not in FORMATS[format].kinds:
+        fits = sorted(name for name, f in FORMATS.items() if record.kind in f.kinds)
+        raise FormatError(
+            f"format {format} holds {'/'.join(FORMATS[format].kinds)} heads, not {record.kind!r}; "
+            f"a {record.kind} head exports as one of {fits}"
+        )
+    check_target(record.spec, target_spec, f"export {format}")
+    check_tensors(record.state, native_shapes(record), f"the {record.kind} head's weights")
+    state = cast_floats(record.state, dtype)
+    record = HeadRecord(record.kind, record.config, record.spec, state, record.provenance)
+    dtype_name = str(dtype or next(t.dtype for t in state.values() if t.is_floating_point())).removeprefix(
+        "torch."
+    )
+    if format == "native":
+        return native_files(record)
+    if format == "medusa":
+        lm_head = None if target_lm_head is None else target_lm_head.to(next(iter(state.values())).dtype)
+        config, tensors = medusa_files(record, dtype_name, lm_head)
+        expected = medusa_shapes(
+            record.spec, config["num_heads"], config["num_hidden_layers"], config["original_lm_head"]
+        )
+    elif record.kind == "eagle":
+        config, tensors = eagle_files(record, format, dtype_name)
+        expected = eagle_shapes(record.spec, "fc.bias" in tensors)
+    else:
+        config, tensors = eagle3_files(record, format, dtype_name, speculative_tokens, verifier)
+        expected = eagle3_shapes(record.spec, tensors["lm_head.weight"].shape[0], "d2t" in tensors)
+    check_tensors(tensors, expected, f"format {format}")
+    config[PROVENANCE_KEY] = {"format": format, "kind": record.kind, "head_config": dict(record.config)}
+    return config, tensors
+
+
+def write_export(
+    out_dir: str | os.PathLike, record: HeadRecord, format: str, *, overwrite: bool = False, **options: Any
+) -> Path:
+    """Export ``record`` into ``out_dir`` (config.json + model.safetensors), atomically; options as
+    :func:`export_files`. An existing non-empty ``out_dir`` is replaced only with ``overwrite``."""
+    config, tensors = export_files(record, format, **options)
+    check_round_trip(record, config, tensors, format, options)
+    return write_export_dir(out_dir, config, tensors, overwrite=overwrite)
+
+
+def check_round_trip(
+    record: HeadRecord,
+    config: dict[str, Any],
+    tensors: dict[str, Tensor],
+    format: str,
+    options: dict[str, Any],
+) -> None:
+    """Reading the files back must give the same head: kind, config, aux taps, every weight bit
+    for bit (in the exported dtype). Run before anything is written."""
+    back = record_from_files(
+        config, tensors, options["target_spec"], target_lm_head=options.get("target_lm_head"), format=format
+    )
+    expected = cast_floats(record.state, options.get("dtype"))
+    config_class = HEAD_KINDS[record.kind][1]
+
+    def head_config(cfg: dict[str, Any]) -> Any:
+        return config_class(**{k: v for k, v in cfg.items() if k != "kind"})
+
+    problems = []
+    if back.kind != record.kind or head_config(back.config) != head_config(record.config):
+        problems.append(f"head {back.kind} {back.config} instead of {record.kind} {record.config}")
+    if back.spec.aux_layer_ids != record.spec.aux_layer_ids:
+        problems.append(
+            f"aux layers {list(back.spec.aux_layer_ids)} instead of {list(record.spec.aux_layer_ids)}"
+        )
+    if set(back.state) != set(expected):
+        problems.append(f"weights {sorted(set(back.state) ^ set(expected))} appear on one side only")
+    else:
+        problems += [f"weight {k} differs" for k in expected if not torch.equal(back.state[k], expected[k])]
+    if problems:
+        raise FormatError(f"format {format}: the export does not read back as the same head: {problems}")
+
+
+def detect_format(config: dict[str, Any]) -> str:
+    """The format a config.json was written in (by specdraft, or by another trainer)."""
+    if is_native(config):
+        return "native"
+    written_by = config.get(PROVENANCE_KEY, {})
+    if isinstance(written_by, dict) and written_by.get("format") in FORMATS:
+        return written_by["format"]
+    architectures = config.get("architectures") or []
+    if "speculators_model_type" in config:
+        return "speculators"
+    if config.get("model_type") == "medusa":
+        return "medusa"
+    if SGLANG_EAGLE_ARCHITECTURE in architectures:
+        return "sglang"
+    if EAGLE3_ARCHITECTURE in architectures:
+        return "sglang" if "eagle_config" in config else "vllm"
+    if config.get("model_type") == "llama" and config.get("num_hidden_layers") == 1:
+        return "eagle"
+    raise FormatError("config.json: not a draft-head export specdraft can read (unknown layout)")
+
+
+def read_export(
+    path: str | os.PathLike,
+    target_spec: TargetSpec,
+    *,
+    target_lm_head: Tensor | None = None,
+    format: str | None = None,
+) -> HeadRecord:
+    """The head in export directory ``path``, for decoding with the target of ``target_spec``.
+
+    Foreign layouts take the target's spec (they do not carry one) and their aux layer ids from
+    their own config; every layout is checked name by name and shape by shape."""
+    config, tensors = read_export_dir(path)
+    return record_from_files(
+        config, tensors, target_spec, target_lm_head=target_lm_head, format=format, where=str(path)
+    )
+
+
+def record_from_files(
+    config: dict[str, Any],
+    tensors: dict[str, Tensor],
+    target_spec: TargetSpec,
+    *,
+    target_lm_head: Tensor | None = None,
+    format: str | None = None,
+    where: str = "export",
+) -> HeadRecord:
+    """:func:`read_export` on a config and tensors already in memory."""
+    format = format or detect_format(config)
+    where = f"{where} (format {format})"
+    if format == "native":
+        record = native_record(config, tensors, where)
+    elif format == "medusa":
+        record = medusa_record(config, tensors, target_spec, target_lm_head)
+    elif format in ("eagle", "vllm", "sglang", "speculators"):
+        layer_config = config.get("transformer_layer_config", config)
+        architectures = layer_config.get("architectures") or []
+        is_eagle3 = format == "speculators" or EAGLE3_ARCHITECTURE in architectures
+        check_config_shapes(layer_config, target_spec, where)
+        reader = eagle3_record if is_eagle3 else eagle_record
+        record = reader(
+            config, {k: v for k, v in tensors.items() if k != "embed_tokens.weight"}, target_spec, format
+        )
+    else:
+        raise FormatError(f"unknown export format {format!r}; expected one of {sorted(FORMATS)}")
+    check_target(record.spec, target_spec, where)
+    check_tensors(record.state, native_shapes(record), where)
+    return record
+
+
+def check_config_shapes(config: dict[str, Any], spec: TargetSpec, where: str) -> None:
+    """A foreign draft config describes a layer of the target's shape."""
+    fields = {
+        "hidden_size": spec.hidden_size,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "intermediate_size": spec.intermediate_size,
+        "vocab_size": spec.vocab_size,
+    }
+    differing = {k: (config.get(k), v) for k, v in fields.items() if config.get(k) != v}
+    if differing:
+        shown = ", ".join(f"{k}: export {a} vs target {b}" for k, (a, b) in differing.items())
+        raise FormatError(f"{where}: the export does not fit target {spec.name!r} ({shown})")
+
+
+def native_shapes(record: HeadRecord) -> dict[str, tuple[int, ...]]:
+    """The state_dict shapes of a head of this kind and config for this spec (built on the meta
+    device: no memory, no weights)."""
+    if record.kind not in HEAD_KINDS:
+        raise FormatError(f"unknown head kind {record.kind!r}; expected one of {sorted(HEAD_KINDS)}")
+    spec = record.spec
+    d2t = t2d = None
+    if record.kind == "eagle3":  # real (small) maps: the head checks them on construction
+        draft_vocab = int(record.config.get("draft_vocab_size") or spec.vocab_size)
+        if not 0 < draft_vocab <= spec.vocab_size:
+            raise FormatError(f"eagle3 head: draft_vocab_size {draft_vocab} is not in 1..{spec.vocab_size}")
+        d2t, t2d = torch.zeros(draft_vocab, dtype=torch.long), torch.zeros(spec.vocab_size, dtype=torch.bool)
+        t2d[:draft_vocab] = True
+    with torch.device("meta"):
+        weights = TargetWeights(
+            torch.empty(spec.vocab_size, spec.hidden_size),
+            torch.empty(spec.vocab_size, spec.hidden_size),
+            torch.empty(spec.hidden_size),
+        )
+        try:
+            head = build_head(record.kind, record.config, spec, weights, d2t, t2d)
+        except ValueError as error:
+            raise FormatError(f"head {record.kind}: {error}") from None
+    return {name: tuple(t.shape) for name, t in head.state_dict().items()}
+
+
+def read_checkpoint(path: str | os.PathLike) -> HeadRecord:
+    """The head in a specdraft training checkpoint (.ckpt), read with ``weights_only=True``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"head checkpoint {path} does not exist")
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    record = checkpoint.get(CHECKPOINT_KEY) if isinstance(checkpoint, dict) else None
+    if not record or not {"kind", "config", "target_spec"} <= set(record):
+        raise FormatError(f"{path}: not a specdraft training checkpoint (no {CHECKPOINT_KEY!r} record)")
+    state = {
+        key.removeprefix(CHECKPOINT_STATE_PREFIX): value
+        for key, value in checkpoint["state_dict"].items()
+        if key.startswith(CHECKPOINT_STATE_PREFIX)
+    }
+    provenance = {"checkpoint": str(path.resolve()), "tokens_seen": int(record.get("tokens_seen", 0))}
+    spec = TargetSpec.from_dict(record["target_spec"])
+    return HeadRecord(record["kind"], dict(record["config"]), spec, state, provenance)
+
+
+def read_head(
+    path: str | os.PathLike, target_spec: TargetSpec, *, target_lm_head: Tensor | None = None
+) -> HeadRecord:
+    """A training checkpoint (file) or an export (directory, any format), checked against the target."""
+    path = Path(path)
+    if path.is_dir():
+        return read_export(path, target_spec, target_lm_head=target_lm_head)
+    record = read_checkpoint(path)
+    check_target(record.spec, target_spec, str(path))
+    return record
