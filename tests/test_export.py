@@ -214,6 +214,11 @@ def test_inexpressible_heads_are_refused(target):
     record = trained_record(layer0, "eagle3", {"draft_vocab_size": 100})
     with pytest.raises(FormatError, match="aux layer id 0"):
         export_files(record, "sglang", target_spec=layer0.spec)
+    two_taps = tiny_random_target(seed=0, aux_layer_ids=(1, 3))
+    record = trained_record(two_taps, "eagle3", {"draft_vocab_size": 100})
+    with pytest.raises(FormatError, match="exactly 3 aux layers"):
+        export_files(record, "sglang", target_spec=two_taps.spec)
+    export_files(record, "vllm", target_spec=two_taps.spec)  # vLLM reads any number
 
 
 def test_damaged_exports_are_refused_with_the_key(target, tmp_path):

@@ -50,7 +50,7 @@ QUESTIONS = 16  # MT-bench first turns, two per category
 MAX_NEW_TOKENS = 64
 DEPTH = 3  # chain drafts per step (vLLM's num_speculative_tokens)
 ACCEPTANCE_TOLERANCE = 0.05  # |α_vllm(i) − α_specdraft(i)| per position, absolute
-HEAD_TRAIN_MINUTES = 4  # budget per head when no trained head is given
+HEAD_TRAIN_STEPS = 60  # online training steps per head when no trained head is given
 
 
 def trained_head(kind: str, work: Path) -> Path:
@@ -60,10 +60,9 @@ def trained_head(kind: str, work: Path) -> Path:
     run_dir = work / "train" / kind
     command = [
         sys.executable, "-m", "specdraft.train.cli", f"experiment={kind}", f"hydra.run.dir={run_dir}",
-        "data.source.limit=400", f"trainer.max_time=00:00:{HEAD_TRAIN_MINUTES:02d}:00",
-        "trainer.max_steps=100000",
-        "trainer.val_check_interval=1000000", "trainer.limit_val_batches=0", "scheduler.total_steps=-1",
-        "scheduler.warmup_steps=20", "callbacks.progress.refresh_rate=0", "logger=none",
+        "data.source.limit=400", "datamodule.max_batch_tokens=2048", f"trainer.max_steps={HEAD_TRAIN_STEPS}",
+        f"callbacks.last_checkpoint.every_n_train_steps={HEAD_TRAIN_STEPS}", "trainer.limit_val_batches=0",
+        "scheduler.warmup_steps=10", "callbacks.progress.refresh_rate=0", "logger=none",
     ]  # fmt: skip
     subprocess.run(command, check=True, env={**os.environ, "SPECDRAFT_CACHE_DIR": CACHE_DIR})
     return run_dir

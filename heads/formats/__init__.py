@@ -106,13 +106,12 @@ def export_files(
     check_tensors(record.state, native_shapes(record), f"the {record.kind} head's weights")
     state = cast_floats(record.state, dtype)
     record = HeadRecord(record.kind, record.config, record.spec, state, record.provenance)
-    dtype_name = str(dtype or next(t.dtype for t in state.values() if t.is_floating_point())).removeprefix(
-        "torch."
-    )
+    weights_dtype = next(t.dtype for t in state.values() if t.is_floating_point())
+    dtype_name = str(weights_dtype).removeprefix("torch.")
     if format == "native":
         return native_files(record)
     if format == "medusa":
-        lm_head = None if target_lm_head is None else target_lm_head.to(next(iter(state.values())).dtype)
+        lm_head = None if target_lm_head is None else target_lm_head.to(weights_dtype)
         config, tensors = medusa_files(record, dtype_name, lm_head)
         expected = medusa_shapes(
             record.spec, config["num_heads"], config["num_hidden_layers"], config["original_lm_head"]

@@ -175,6 +175,11 @@ def eagle3_files(
     if engine == "vllm":
         config = {**layer_config, "eagle_aux_hidden_state_layer_ids": aux, "norm_before_residual": False}
     elif engine == "sglang":
+        if len(aux) != 3:
+            raise FormatError(
+                f"format sglang: SGLang's EAGLE-3 fc reads exactly 3 aux layers; this head fuses {len(aux)} "
+                f"({aux}). vLLM reads any number: export format=vllm"
+            )
         if min(aux) < 1:
             raise FormatError(
                 f"format sglang: aux layer id 0 (the embedding output) has no SGLang name (SGLang names "
