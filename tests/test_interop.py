@@ -63,6 +63,8 @@ def trained_head(kind: str, work: Path) -> Path:
     if given:
         return Path(given)
     run_dir = work / "train" / kind
+    if (run_dir / "checkpoints" / "last.ckpt").is_file():  # trained for an earlier format already
+        return run_dir
     command = [
         sys.executable, "-m", "specdraft.train.cli", f"experiment={kind}", f"hydra.run.dir={run_dir}",
         "data.source.limit=400", "datamodule.max_batch_tokens=2048", f"trainer.max_steps={HEAD_TRAIN_STEPS}",
