@@ -52,10 +52,8 @@ def write_export_dir(
             metadata={"format": "pt"},
         )
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        umask = os.umask(0)
-        os.umask(umask)
         for name in (WEIGHTS_FILE, CONFIG_FILE):
-            os.chmod(staging / name, 0o666 & ~umask)  # safetensors creates its file private
+            os.chmod(staging / name, 0o644)  # safetensors creates its file private; engines read it
             with open(staging / name, "rb") as handle:
                 os.fsync(handle.fileno())
         check_destination(out_dir, overwrite)

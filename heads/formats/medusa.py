@@ -15,10 +15,27 @@ import torch
 from torch import Tensor
 
 from specdraft.heads.formats.record import FormatError, HeadRecord
+from specdraft.heads.medusa import MedusaConfig
 from specdraft.heads.spec import TargetSpec
 
-_BLOCK = re.compile(r"^blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)$")
-_VLLM_BLOCK = re.compile(r"^blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)$")
+# Residual-block weight names: specdraft's (head i, block j) and vLLM's.
+_BLOCK = (re.compile(r"^blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)$"), "blocks.{}.{}.linear.{}")
+_VLLM_BLOCK = (re.compile(r"^blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)$"), "blocks.{}.layers.{}.{}")
+
+
+def _rename_blocks(
+    tensors: dict[str, Tensor], source: tuple, destination: tuple, where: str
+) -> dict[str, Tensor]:
+    """Block weights renamed from one naming to the other; ``lm_heads.*`` kept; anything else refused."""
+    renamed = {}
+    for name, tensor in tensors.items():
+        if match := source[0].match(name):
+            renamed[destination[1].format(*match.groups())] = tensor
+        elif name.startswith("lm_heads."):
+            renamed[name] = tensor
+        else:
+            raise FormatError(f"{where}: unexpected weight {name!r}")
+    return renamed
 
 
 def medusa_shapes(
@@ -38,15 +55,9 @@ def medusa_shapes(
 def medusa_files(
     record: HeadRecord, dtype: str, target_lm_head: Tensor | None
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    own = bool(record.config.get("own_lm_head", False))
-    tensors: dict[str, Tensor] = {}
-    for name, tensor in record.state.items():
-        if match := _BLOCK.match(name):
-            tensors[f"blocks.{match[1]}.layers.{match[2]}.{match[3]}"] = tensor
-        elif name.startswith("lm_heads."):
-            tensors[name] = tensor
-        else:
-            raise FormatError(f"format medusa: no vLLM name for the head's weight {name!r}")
+    head_config = MedusaConfig(**{k: v for k, v in record.config.items() if k != "kind"})
+    own = head_config.own_lm_head
+    tensors = _rename_blocks(record.state, _BLOCK, _VLLM_BLOCK, "format medusa")
     if not own:
         if target_lm_head is None:
             raise FormatError(
@@ -60,8 +71,8 @@ def medusa_files(
         "model_type": "medusa",
         "hidden_size": spec.hidden_size,
         "vocab_size": spec.vocab_size,
-        "num_heads": int(record.config.get("num_heads", 4)),
-        "num_hidden_layers": int(record.config.get("num_layers", 1)),
+        "num_heads": head_config.num_heads,
+        "num_hidden_layers": head_config.num_layers,
         "medusa_fc_bias": True,
         "original_lm_head": not own,
         "truncated_vocab_size": spec.vocab_size,
@@ -78,14 +89,7 @@ def medusa_record(
             "medusa config: medusa_fc_bias is not true; specdraft's residual blocks have a bias"
         )
     shared = bool(config.get("original_lm_head", False))
-    state: dict[str, Tensor] = {}
-    for name, tensor in tensors.items():
-        if match := _VLLM_BLOCK.match(name):
-            state[f"blocks.{match[1]}.{match[2]}.linear.{match[3]}"] = tensor
-        elif name.startswith("lm_heads."):
-            state[name] = tensor
-        else:
-            raise FormatError(f"medusa export: unexpected weight {name!r}")
+    state = _rename_blocks(tensors, _VLLM_BLOCK, _BLOCK, "medusa export")
     if shared:
         lm_head = state.pop("lm_heads.0.weight", None)
         if (
