@@ -213,8 +213,13 @@ def regenerate(
     source: dict[str, Any],
     chunk_size: int = 64,
     progress: bool = True,
+    max_turns: int | None = None,
 ) -> RegenReport:
-    """Regenerate every assistant turn of ``conversations`` into ``out_path`` (resumable)."""
+    """Regenerate the assistant turns of ``conversations`` into ``out_path`` (resumable).
+    ``max_turns``: answer only the first N user turns of each conversation (None: all); the
+    conversation ends after them."""
+    if max_turns is not None and max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1 or None, got {max_turns}")
     out_path = Path(out_path)
     header = {
         "format_version": REGEN_FORMAT_VERSION,
@@ -222,6 +227,7 @@ def regenerate(
         "settings": asdict(settings),
         "source": source,
         "chunk_size": chunk_size,
+        "max_turns": max_turns,
         "conversation_ids_sha256": hashlib.sha256(
             "\n".join(c.id for c in conversations).encode()
         ).hexdigest(),
@@ -233,13 +239,13 @@ def regenerate(
 
     report = RegenReport(conversations=len(conversations))
     todo = range(position["chunks_done"], len(chunks))
-    total_turns = sum(1 for i in todo for c in chunks[i] for m in c.messages if m.role == "user")
+    total_turns = sum(len(_user_turns(c, max_turns)) for i in todo for c in chunks[i])
     tokens_before = responder.generated_tokens
     started = time.perf_counter()
     with tqdm(total=total_turns, desc="regenerate", unit="turn", disable=not progress) as bar:
         for chunk_index in todo:
             records = _regenerate_chunk(
-                chunks[chunk_index], responder, settings.seed, chunk_index, report, bar
+                chunks[chunk_index], responder, settings.seed, chunk_index, report, bar, max_turns
             )
             lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
             _append_durably(out_path, lines)
@@ -261,12 +267,13 @@ def _regenerate_chunk(
     chunk_index: int,
     report: RegenReport,
     bar: tqdm,
+    max_turns: int | None,
 ) -> list[dict[str, Any]]:
     histories: list[History] = [
         [{"role": "system", "content": c.messages[0].content}] if c.messages[0].role == "system" else []
         for c in chunk
     ]
-    user_turns = [[m.content for m in c.messages if m.role == "user"] for c in chunk]
+    user_turns = [_user_turns(c, max_turns) for c in chunk]
     alive = [True] * len(chunk)
     for turn in range(max(len(t) for t in user_turns)):
         asking = [i for i in range(len(chunk)) if alive[i] and turn < len(user_turns[i])]
@@ -294,6 +301,10 @@ def _regenerate_chunk(
         else:
             report.skipped_conversations += 1
     return records
+
+
+def _user_turns(conversation: Conversation, max_turns: int | None) -> list[str]:
+    return [m.content for m in conversation.messages if m.role == "user"][:max_turns]
 
 
 def _check_or_write_header(path: Path, header: dict[str, Any]) -> None:

@@ -54,7 +54,14 @@ def main(cfg: DictConfig) -> None:
         "limit": cfg.limit,
     }
     report = regenerate(
-        conversations, responder, cfg.out_path, settings, description, cfg.chunk_size, cfg.progress
+        conversations,
+        responder,
+        cfg.out_path,
+        settings,
+        description,
+        cfg.chunk_size,
+        cfg.progress,
+        cfg.max_turns,
     )
     rate = report.generated_tokens / max(report.seconds, 1e-9)
     print(

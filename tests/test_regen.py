@@ -220,3 +220,13 @@ def test_regenerated_output_feeds_the_training_data_path(tmp_path, tiny_target):
     write_cache(tiny_target, samples, tmp_path / "cache", StoredFields(), {"d": "regen"}, progress=False)
     assert len(FeatureCache(tmp_path / "cache")) == 9
     assert torch.is_tensor(FeatureCache(tmp_path / "cache")[0]["hidden"])
+
+
+def test_max_turns_answers_only_the_first_turns_and_is_part_of_the_resume_key(tmp_path):
+    responder = RecordingResponder()
+    report = run(responder, tmp_path / "out.jsonl", max_turns=1)
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in records)
+    assert report.turns_answered == len(records) and all(len(h) == 1 for h in responder.histories)
+    with pytest.raises(ValueError, match="max_turns"):
+        run(RecordingResponder(), tmp_path / "out.jsonl", max_turns=2)
