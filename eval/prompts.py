@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,14 +45,16 @@ def read_spec_bench(
     categories: Sequence[str] | None = None,
     limit: int | None = None,
     max_turns: int | None = None,
+    per_category: int | None = None,
 ) -> list[Question]:
     """Questions of a Spec-Bench-style JSONL file, optionally of some categories only, with at
-    most ``max_turns`` turns each (None: all)."""
+    most ``max_turns`` turns each (None: all); ``per_category``: the first N of each category (a
+    balanced subset, in file order), then ``limit``."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist (set prompts.path)")
     wanted = set(categories) if categories else None
-    questions, seen_categories = [], set()
+    questions, seen_categories, taken = [], set(), Counter()
     with path.open(encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
@@ -66,7 +69,10 @@ def read_spec_bench(
                 raise ValueError(f"{where}: field 'turns' must be a non-empty list of non-empty strings")
             category = str(record.get("category", "default"))
             seen_categories.add(category)
-            if wanted is None or category in wanted:
+            if (wanted is None or category in wanted) and (
+                per_category is None or taken[category] < per_category
+            ):
+                taken[category] += 1
                 question_id = str(record.get("question_id", line_number))
                 questions.append(Question(question_id, category, tuple(turns[:max_turns])))
     if wanted and not wanted <= seen_categories:

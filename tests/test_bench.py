@@ -127,6 +127,15 @@ def test_spec_bench_reader_errors_name_the_line(tmp_path):
         read_spec_bench(tmp_path / "missing.jsonl")
 
 
+def test_spec_bench_per_category_takes_the_first_questions_of_each_category(tmp_path):
+    path = tmp_path / "q.jsonl"
+    records = [{"question_id": i, "category": "ab"[i % 2], "turns": [f"q{i}", "again"]} for i in range(7)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    questions = read_spec_bench(path, per_category=2, max_turns=1)
+    assert [q.id for q in questions] == ["0", "1", "2", "3"] and questions[0].turns == ("q0",)
+    assert [q.id for q in read_spec_bench(path, ["b"], per_category=2)] == ["1", "3"]
+
+
 def test_load_head_refuses_another_target(tmp_path):
     checkpoint = save_tiny_checkpoint(tmp_path / "head.ckpt")
     other = tiny_random_target(seed=0, hidden_size=32)
