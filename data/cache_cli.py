@@ -46,6 +46,12 @@ def main(cfg: DictConfig) -> None:
     samples, token_report = tokenize_conversations(
         target.tokenizer, conversations, cfg.data.max_length, cfg.progress
     )
+    if not samples:
+        raise SystemExit(
+            f"specdraft-cache: the {cfg.split} split of {cfg.data.source} has no conversation with an "
+            f"assistant turn to cache ({len(source.conversations)} conversations read, "
+            f"{len(conversations)} in the split); nothing written to {cfg.out_dir}"
+        )
 
     fields = StoredFields(tuple(target.spec.aux_layer_ids) if cfg.aux_layers else (), cfg.top_k)
     description = {

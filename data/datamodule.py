@@ -203,6 +203,8 @@ class FeatureDataModule(L.LightningDataModule):
                 self.datasets[split] = FeatureCache(
                     directory, self.target.spec, self.fields, self.verify_cache, expect_tokenizer=fingerprint
                 )
+                if len(self.datasets[split]) == 0:
+                    raise ValueError(f"{split} cache {directory} holds no samples")
             return
         train, heldout = split_conversations(
             self.conversations.conversations, self.heldout_fraction, self.split_seed
@@ -211,6 +213,11 @@ class FeatureDataModule(L.LightningDataModule):
             samples, _ = tokenize_conversations(
                 self.target.tokenizer, conversations, self.max_length, self.progress
             )
+            if not samples:
+                raise ValueError(
+                    f"the {split} split of the conversations ({len(conversations)} of "
+                    f"{len(self.conversations.conversations)}) has no sample to train or validate on"
+                )
             self.datasets[split] = TokenizedDataset(samples)
 
     def assistant_token_counts(self) -> Tensor:

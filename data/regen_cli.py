@@ -63,6 +63,12 @@ def main(cfg: DictConfig) -> None:
         cfg.progress,
         cfg.max_turns,
     )
+    if not Path(cfg.out_path).stat().st_size:
+        raise SystemExit(
+            f"specdraft-regen: no conversation of the {len(conversations)} was answered (every first "
+            f"answer empty or every prompt longer than max_prompt_tokens={cfg.max_prompt_tokens}); "
+            f"{cfg.out_path} is empty"
+        )
     rate = report.generated_tokens / max(report.seconds, 1e-9)
     print(
         f"{cfg.out_path}: {report.written} conversations written this run ({report.turns_answered} turns "

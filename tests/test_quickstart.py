@@ -1,0 +1,101 @@
+"""specdraft-quickstart: its stages fit together, and the whole chain runs (and resumes) on the
+tiny target."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_module
+
+from specdraft.eval.prompts import MT_BENCH_CATEGORIES
+from specdraft.train.quickstart import stages
+
+
+def compose_quickstart(*overrides: str):
+    with initialize_config_module("specdraft.conf", version_base="1.3"):
+        return compose("quickstart", overrides=list(overrides))
+
+
+def value(stage, key: str) -> str:
+    return [o.split("=", 1)[1] for o in stage.overrides if o.startswith(key + "=")][-1]
+
+
+def stage_overrides(stage: str, *overrides: str) -> str:
+    """``overrides.<stage>=['a=1','b=2']``: Hydra needs list items with '=' quoted."""
+    return f"overrides.{stage}=[{','.join(repr(o) for o in overrides)}]"
+
+
+def test_each_stage_reads_what_the_previous_one_wrote(tmp_path):
+    plan = stages(compose_quickstart(f"paths.log_dir={tmp_path}", f"eval.mt_bench={tmp_path}/missing.jsonl"))
+    by_name = {stage.name: stage for stage in plan}
+    assert list(by_name) == ["regen", "cache train", "cache heldout", "train", "export", "eval"]
+    assert value(by_name["cache train"], "data.source.path") == value(by_name["regen"], "out_path")
+    assert value(by_name["regen"], "max_turns") == "1"
+    for cache, split in (("train_cache", "train"), ("val_cache", "heldout")):
+        assert value(by_name["train"], f"datamodule.{cache}") == value(by_name[f"cache {split}"], "out_dir")
+    assert value(by_name["export"], "checkpoint") == f"{tmp_path}/train/quickstart"
+    assert value(by_name["eval"], "checkpoint") == value(by_name["export"], "out")
+    assert value(by_name["eval"], "prompts") == "sharegpt_heldout"  # no MT-bench file
+
+    original = stages(compose_quickstart(f"paths.log_dir={tmp_path}", "self_distill=false"))
+    assert [s.name for s in original][0] == "cache train"
+    assert "data=jsonl" not in original[0].overrides
+    assert value(original[2], "run_name") == "quickstart-sharegpt"  # never resumes the other run
+    assert value(original[0], "out_dir") != value(by_name["cache train"], "out_dir")
+
+
+def test_the_quickstart_runs_end_to_end_and_resumes_on_the_tiny_target(tmp_path):
+    bench_file = tmp_path / "mt_bench.jsonl"
+    questions = [
+        {"question_id": i, "category": c, "turns": [f"Count to {i + 3}.", "Again, backwards."]}
+        for i, c in enumerate([*MT_BENCH_CATEGORIES, "writing"])
+    ]
+    bench_file.write_text("".join(json.dumps(q) + "\n" for q in questions))
+    tiny = "target=tiny_random"
+    talkative = "+target.initializer_range=0.5"  # the default init answers with an empty string
+    command = [
+        str(Path(sys.executable).parent / "specdraft-quickstart"),
+        f"paths.log_dir={tmp_path}",
+        f"eval.mt_bench={bench_file}",
+        "eval.per_category=1",
+        "eval.max_new_tokens=8",
+        "conversations=30",
+        "heldout_fraction=0.2",
+        stage_overrides("regen", tiny, talkative, "data=tiny", "generation.max_new_tokens=12", "progress=false"),
+        stage_overrides("cache", tiny, talkative, "progress=false"),
+        stage_overrides(
+            "train",
+            tiny,
+            talkative,
+            "trainer.max_steps=4",
+            "trainer.val_check_interval=2",
+            "trainer.precision=32-true",
+            "datamodule.max_batch_tokens=1024",
+            "callbacks.progress.refresh_rate=0",
+            "callbacks.curve_checkpoint.every_n_train_steps=2",
+        ),
+        stage_overrides("export", tiny, talkative),
+        stage_overrides("eval", tiny, talkative, "shortlist.size=null", "progress=false"),
+    ]
+    first = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "T=0 head_tree: tau" in first.stdout and "head (native export)" in first.stdout
+    out = tmp_path / "quickstart"
+    assert json.loads((out / "head" / "config.json").read_text())["format"] == "specdraft-head"
+    assert sorted(p.name for p in (tmp_path / "train/quickstart/checkpoints/curve").iterdir()) == [
+        "step=2.ckpt",
+        "step=4.ckpt",
+    ]
+    report = tmp_path / "bench" / "quickstart" / "report.json"
+    assert set(json.loads(report.read_text())["results"]["T=0"]) == {"plain", "head_tree", "head_chain"}
+    regen = out / "regen" / "train-30.jsonl"
+    regen_bytes, report_bytes = regen.read_bytes(), report.read_bytes()
+
+    second = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert regen.read_bytes() == regen_bytes  # reused, not regenerated or appended to
+    assert json.loads(report.read_bytes())["results"] == json.loads(report_bytes)["results"]
+    assert "0 conversations written this run" in second.stdout
