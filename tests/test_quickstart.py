@@ -41,7 +41,7 @@ def test_each_stage_reads_what_the_previous_one_wrote(tmp_path):
     assert value(by_name["eval"], "prompts") == "sharegpt_heldout"  # no MT-bench file
 
     original = stages(compose_quickstart(f"paths.log_dir={tmp_path}", "self_distill=false"))
-    assert [s.name for s in original][0] == "cache train"
+    assert original[0].name == "cache train"
     assert "data=jsonl" not in original[0].overrides
     assert value(original[2], "run_name") == "quickstart-sharegpt"  # never resumes the other run
     assert value(original[0], "out_dir") != value(by_name["cache train"], "out_dir")
@@ -64,7 +64,9 @@ def test_the_quickstart_runs_end_to_end_and_resumes_on_the_tiny_target(tmp_path)
         "eval.max_new_tokens=8",
         "conversations=30",
         "heldout_fraction=0.2",
-        stage_overrides("regen", tiny, talkative, "data=tiny", "generation.max_new_tokens=12", "progress=false"),
+        stage_overrides(
+            "regen", tiny, talkative, "data=tiny", "generation.max_new_tokens=12", "progress=false"
+        ),
         stage_overrides("cache", tiny, talkative, "progress=false"),
         stage_overrides(
             "train",

@@ -79,7 +79,14 @@ def stages(cfg: DictConfig) -> list[Stage]:
             Stage(
                 f"cache {split}",
                 "specdraft-cache",
-                [*data, f"split={split}", f"top_k={cfg.top_k}", f"out_dir={features[split]}", *common, *cfg.overrides.cache],
+                [
+                    *data,
+                    f"split={split}",
+                    f"top_k={cfg.top_k}",
+                    f"out_dir={features[split]}",
+                    *common,
+                    *cfg.overrides.cache,
+                ],
             )
         )
     run_name = cfg.name if cfg.self_distill else f"{cfg.name}-sharegpt"
@@ -140,22 +147,30 @@ def stages(cfg: DictConfig) -> list[Stage]:
 def main(cfg: DictConfig) -> None:
     plan = stages(cfg)
     if not Path(cfg.eval.mt_bench).is_file():
-        print(f"quickstart: no MT-bench file at {cfg.eval.mt_bench} (set SPECDRAFT_SPEC_BENCH): "
-              "evaluating on held-out ShareGPT prompts instead", flush=True)
+        print(
+            f"quickstart: no MT-bench file at {cfg.eval.mt_bench} (set SPECDRAFT_SPEC_BENCH): "
+            "evaluating on held-out ShareGPT prompts instead",
+            flush=True,
+        )
     timings: dict[str, float] = {}
     started = time.perf_counter()
     for number, stage in enumerate(plan, start=1):
         elapsed = time.perf_counter() - started
-        print(f"\n=== quickstart [{number}/{len(plan)}] {stage.name}  (elapsed {clock(elapsed)}; "
-              f"this machine: ~{cfg.expected_minutes[stage.name.split()[0]]} min) ===", flush=True)
+        print(
+            f"\n=== quickstart [{number}/{len(plan)}] {stage.name}  (elapsed {clock(elapsed)}; "
+            f"this machine: ~{cfg.expected_minutes[stage.name.split()[0]]} min) ===",
+            flush=True,
+        )
         argv = [console_script(stage.command), *stage.overrides]
         print("$ " + " ".join(argv), flush=True)
         stage_started = time.perf_counter()
         result = subprocess.run(argv, check=False)
         timings[stage.name] = round(time.perf_counter() - stage_started, 1)
         if result.returncode != 0:
-            raise SystemExit(f"quickstart: stage {stage.name!r} failed (exit {result.returncode}); "
-                             "fix the cause and re-run: finished work is kept")
+            raise SystemExit(
+                f"quickstart: stage {stage.name!r} failed (exit {result.returncode}); "
+                "fix the cause and re-run: finished work is kept"
+            )
     timings["total"] = round(time.perf_counter() - started, 1)
     out = Path(cfg.dir)
     write_json_atomic(out / "timings.json", timings)
@@ -189,15 +204,18 @@ def print_summary(eval_stage: Stage, out: Path, timings: dict[str, float]) -> No
             if method == "plain":
                 continue
             overall = entry["overall"]
+            plain_rate = methods["plain"]["overall"]["tokens_per_s"]
             alphas = ", ".join(f"{a:.2f}" for a in overall.get("acceptance_per_depth") or [] if a is not None)
             print(
                 f"{temperature} {method}: tau {overall['tau']:.2f}, acceptance per depth [{alphas}], "
                 f"speedup {overall['speedup']:.2f}x over plain decoding "
-                f"({overall['tokens_per_s']:.1f} vs {methods['plain']['overall']['tokens_per_s']:.1f} tokens/s)"
+                f"({overall['tokens_per_s']:.1f} vs {plain_rate:.1f} tokens/s)"
             )
     print(f"head (native export): {overrides['checkpoint']}")
-    print(f"report: {report_dir / 'report.json'}, {report_dir / 'acceptance_per_depth.png'}, "
-          f"{report_dir / 'speedup.png'}")
+    print(
+        f"report: {report_dir / 'report.json'}, {report_dir / 'acceptance_per_depth.png'}, "
+        f"{report_dir / 'speedup.png'}"
+    )
     print(f"stage timings: {out / 'timings.json'}")
 
 
