@@ -83,6 +83,7 @@ def stages(cfg: DictConfig) -> list[Stage]:
                     *data,
                     f"split={split}",
                     f"top_k={cfg.top_k}",
+                    f"aux_layers={cfg.aux_layers}",
                     f"out_dir={features[split]}",
                     *common,
                     *cfg.overrides.cache,
@@ -121,9 +122,16 @@ def stages(cfg: DictConfig) -> list[Stage]:
     )
     if Path(cfg.eval.mt_bench).is_file():
         prompts = ["prompts=mt_bench", f"prompts.path={cfg.eval.mt_bench}"]
-        prompts.append(f"prompts.per_category={cfg.eval.per_category}")
+        prompts += [
+            f"prompts.per_category={cfg.eval.per_category}",
+            f"prompts.max_turns={cfg.eval.max_turns}",
+        ]
     else:
-        prompts = [f"prompts={cfg.eval.fallback_prompts}", f"prompts.limit={8 * cfg.eval.per_category}"]
+        prompts = [
+            f"prompts={cfg.eval.fallback_prompts}",
+            f"prompts.limit={8 * cfg.eval.per_category}",
+            f"prompts.max_turns={cfg.eval.max_turns}",
+        ]
     plan.append(
         Stage(
             "eval",
