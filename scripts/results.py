@@ -10,9 +10,9 @@ Stages (``--stages`` picks some):
 * ``bench``     — ONE ``specdraft-bench`` run over every trained head (EAGLE-1 as a chain and as
   an EAGLE-2 dynamic tree), HF prompt lookup and plain decoding, interleaved per question, at
   T=0 and T=1 on MT-bench;
-* ``curve``     — the quickstart's checkpoints (``checkpoints/curve``) benched together at T=0:
-  τ against training time; and heads trained on the first N regenerated conversations for the
-  quickstart's number of steps: τ against data;
+* ``curve``     — the checkpoints (every 50 steps) of the quickstart runs in ``CURVE_RUNS`` (the
+  default quickstart and ``specdraft-quickstart name=quickstart-512 conversations=512`` with 400
+  steps), benched together at T=0: τ against training time, at two amounts of data;
 * ``doc``       — docs/results.md and docs/results_curve.png from the JSON the stages wrote.
 
 The numbers in the doc are read from those JSON files only.
@@ -37,6 +37,16 @@ RESULTS = LOG_DIR / "results"
 DOCS = ROOT / "docs"
 MT_BENCH = os.environ.get("SPECDRAFT_SPEC_BENCH", str(ROOT.parent / "shared" / "bench" / "spec_bench.jsonl"))
 
+# quickstart runs shown (run name -> (its quickstart dir under LOG_DIR, the command that made it))
+QUICKSTART_RUNS = {
+    "quickstart": ("quickstart", "specdraft-quickstart"),
+    "quickstart-sharegpt": ("quickstart", "specdraft-quickstart self_distill=false"),
+    "quickstart-512": (
+        "quickstart-512",
+        "specdraft-quickstart name=quickstart-512 conversations=512 "
+        "'overrides.train=[\"trainer.max_steps=400\"]'",
+    ),
+}
 # name -> specdraft-train overrides (on top of the shared ones below)
 ABLATION = {
     "medusa": ["experiment=medusa"],
@@ -53,7 +63,9 @@ MEDUSA_TREE = (  # conf/methods/medusa.yaml's static tree
     "{kind: static, rank_accept: [[0.6, 0.15, 0.08, 0.05], [0.4, 0.12, 0.06], [0.3, 0.1], [0.25]], "
     "num_nodes: 16}"
 )
-DATA_SIZES = (64, 128)  # conversations for the τ-vs-data points (plus the quickstart's own run)
+# τ vs training time and data: quickstart runs (specdraft-quickstart name=…) whose checkpoints/curve
+# are benched together; labels become method names.
+CURVE_RUNS = {"quickstart": "c256", "quickstart-512": "c512"}
 
 
 def command(name: str, *overrides: str) -> None:
@@ -119,52 +131,21 @@ def bench(per_category: int) -> None:
 
 
 def curve(per_category: int) -> None:
-    quickstart_run = LOG_DIR / "train" / "quickstart"
-    steps = json.loads((quickstart_run / "summary.json").read_text())["global_step"]
-    for size in DATA_SIZES:
-        run_name = f"data-{size}"
-        if (RESULTS / "train" / run_name / "summary.json").is_file():
-            continue
-        features = RESULTS / "features" / run_name
-        for split in ("train", "heldout"):
-            command(
-                "specdraft-cache",
-                "data=jsonl",
-                f"data.source.path={next((QUICKSTART / 'regen').glob('train-*.jsonl'))}",
-                "data.heldout_fraction=0.05",
-                "data.split_seed=1",
-                f"data.source.limit={size}",
-                f"split={split}",
-                "top_k=10",
-                f"out_dir={features / split}",
-            )
-        command(
-            "specdraft-train",
-            "experiment=quickstart",
-            f"run_name={run_name}",
-            f"paths.log_dir={RESULTS}",
-            f"datamodule.train_cache={features / 'train'}",
-            f"datamodule.val_cache={FEATURES / 'heldout'}",  # one validation set for every size
-            f"trainer.max_steps={steps}",
-            "callbacks.progress.refresh_rate=0",
-        )
-    methods = [
-        head_method(f"step_{path.stem.split('=')[1]}", path, TREE)
-        for path in sorted((quickstart_run / "checkpoints" / "curve").glob("step=*.ckpt"))
-    ]
-    methods += [
-        head_method(f"data_{size}", best_checkpoint(RESULTS / "train" / f"data-{size}"), TREE)
-        for size in DATA_SIZES
-    ]
+    """Every curve checkpoint of the quickstart runs in CURVE_RUNS, benched together at T=0."""
+    methods = []
+    for run, label in CURVE_RUNS.items():
+        for path in sorted((LOG_DIR / "train" / run / "checkpoints" / "curve").glob("step=*.ckpt")):
+            methods.append(head_method(f"{label}_step{path.stem.split('=')[1]}", path, TREE))
     command(
         "specdraft-bench",
         "methods=none",
         *methods,
-        "checkpoint=unused",
+        "checkpoint=null",
         "run_name=curve",
         f"paths.log_dir={RESULTS}",
         f"prompts.path={MT_BENCH}",
         f"prompts.per_category={per_category}",
+        "prompts.max_turns=1",
         "temperatures=[0.0]",
     )
 
@@ -244,41 +225,29 @@ def manifest_tokens(cache_dir: Path) -> str:
 
 
 def quickstart_section() -> list[str]:
-    report = read_json(LOG_DIR / "bench" / "quickstart" / "report.json")
-    if report is None:
-        return ["## Quickstart", "", "_Not run yet: `make quickstart`._", ""]
-    timings = read_json(QUICKSTART / "timings.json") or {}
-    summary = read_json(LOG_DIR / "train" / "quickstart" / "summary.json")
-    lines = [
-        "## Quickstart (`make quickstart`)",
-        "",
-        f"Machine: {machine_line(report)}.",
-        "",
-        "- data: SmolLM2's own greedy answers (first turns), train cache "
-        + manifest_tokens(FEATURES / "train"),
-        f"- training: {training_line(summary)}",
-        "- stage wall times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()),
-        f"- prompts: MT-bench, {report['config']['prompts'].get('per_category')} per category, "
-        f"{report['config']['max_new_tokens']} new tokens per turn",
-        "",
-        HEADER,
-        SEPARATOR,
-        *head_rows(report["results"], [m for m in report["results"]["T=0"] if m != "plain"]),
-        "",
-    ]
-    original = read_json(LOG_DIR / "bench" / "quickstart-sharegpt" / "report.json")
-    if original is not None:
-        original_summary = read_json(LOG_DIR / "train" / "quickstart-sharegpt" / "summary.json")
+    lines = ["## Quickstart (`make quickstart`)", ""]
+    runs = [(run, read_json(LOG_DIR / "bench" / run / "report.json")) for run in QUICKSTART_RUNS]
+    runs = [(run, report) for run, report in runs if report is not None]
+    if not runs:
+        return [*lines, "_Not run yet: `make quickstart`._", ""]
+    lines += [f"Machine: {machine_line(runs[0][1])}.", ""]
+    for run, report in runs:
+        summary = read_json(LOG_DIR / "train" / run / "summary.json")
+        directory = LOG_DIR / QUICKSTART_RUNS[run][0]
+        timings = read_json(directory / f"timings-{run}.json") or {}
+        prompts = report["config"]["prompts"]
         lines += [
-            "### Self-distillation vs the original ShareGPT answers",
+            f"### `{QUICKSTART_RUNS[run][1]}` (run `{run}`)",
             "",
-            "`specdraft-quickstart self_distill=false`: the same steps on ShareGPT's original answers "
-            f"({manifest_tokens(QUICKSTART / 'features' / 'sharegpt' / 'train')}); "
-            f"training: {training_line(original_summary)}.",
+            f"- data: {run_data(run)} (train cache)",
+            f"- training: {training_line(summary)}",
+            "- stage wall times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()),
+            f"- prompts: MT-bench, {prompts.get('per_category')} per category, max_turns "
+            f"{prompts.get('max_turns')}, {report['config']['max_new_tokens']} new tokens per turn",
             "",
             HEADER,
             SEPARATOR,
-            *head_rows(original["results"], [m for m in original["results"]["T=0"] if m != "plain"]),
+            *head_rows(report["results"], [m for m in report["results"]["T=0"] if m != "plain"]),
             "",
         ]
     return lines
@@ -319,58 +288,72 @@ def ablation_section() -> list[str]:
 
 def curve_section() -> list[str]:
     report = read_json(RESULTS / "bench" / "curve" / "report.json")
-    summary = read_json(LOG_DIR / "train" / "quickstart" / "summary.json")
-    if report is None or summary is None:
+    if report is None:
         return [
             "## τ vs training time and data",
             "",
             "_Not run yet: `python scripts/results.py --stages curve doc`._",
             "",
         ]
-    seconds_per_step = summary["fit_seconds"] / summary["global_step"]
     results = report["results"]["T=0"]
-    time_points = sorted((int(m.split("_")[1]), m) for m in results if m.startswith("step_"))
     lines = [
         "## τ vs training time and data",
         "",
-        f"The quickstart's checkpoints (every {time_points[0][0]} steps) and heads trained for the same "
-        f"steps on fewer conversations, benched together at T=0 ({machine_line(report)}). Training time "
-        f"= step × the run's mean {seconds_per_step:.1f} s/step.",
+        "The checkpoints every 50 steps of quickstart runs on two amounts of regenerated data, benched "
+        f"together at T=0 on MT-bench first turns ({machine_line(report)}), with the 24-node tree. "
+        "Training time = step × the run's mean seconds per step (validation included).",
         "",
-        "| head | training | τ T=0 | speedup T=0 |",
-        "|---|---|---|---|",
+        "| run | data (train cache) | step | training time | τ T=0 | α per depth | speedup T=0 |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for step, method in time_points:
-        overall = results[method]["overall"]
-        lines.append(
-            f"| step {step} | {step * seconds_per_step / 60:.1f} min | {overall['tau']:.2f} "
-            f"| {overall['speedup']:.2f}× |"
-        )
-    for size in DATA_SIZES:
-        method = f"data_{size}"
-        if method in results:
+    curves = {}
+    for run, label in CURVE_RUNS.items():
+        summary = read_json(LOG_DIR / "train" / run / "summary.json")
+        points = sorted((int(m.split("_step")[1]), m) for m in results if m.startswith(label + "_step"))
+        if summary is None or not points:
+            continue
+        seconds_per_step = summary["fit_seconds"] / summary["global_step"]
+        data = run_data(run)
+        curves[run] = [(step * seconds_per_step / 60, results[m]["overall"]["tau"]) for step, m in points]
+        for step, method in points:
             overall = results[method]["overall"]
-            lines.append(
-                f"| {size} conversations "
-                f"({manifest_tokens(RESULTS / 'features' / f'data-{size}' / 'train')}) "
-                f"| {summary['global_step']} steps | {overall['tau']:.2f} | {overall['speedup']:.2f}× |"
+            alphas = " / ".join(
+                f"{a:.2f}" for a in overall.get("acceptance_per_depth") or [] if a is not None
             )
-    plot_curve(time_points, results, seconds_per_step)
+            lines.append(
+                f"| {run} | {data} | {step} | {step * seconds_per_step / 60:.1f} min | {overall['tau']:.2f} "
+                f"| {alphas} | {overall['speedup']:.2f}× |"
+            )
+    plot_curve(curves)
     lines += ["", "![τ vs training time](results_curve.png)", ""]
     return lines
 
 
-def plot_curve(time_points: list[tuple[int, str]], results: dict, seconds_per_step: float) -> None:
+def run_data(run: str) -> str:
+    """The train cache a training run read (from its resolved config), as conversations / tokens."""
+    config = LOG_DIR / "train" / run / "run_config.yaml"
+    for line in config.read_text().splitlines() if config.is_file() else []:
+        if line.strip().startswith("train_cache:"):
+            return manifest_tokens(Path(line.split(":", 1)[1].strip()))
+    return "–"
+
+
+def plot_curve(curves: dict[str, list[tuple[float, float]]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(5, 3.2))
-    minutes = [step * seconds_per_step / 60 for step, _ in time_points]
-    axes.plot(minutes, [results[m]["overall"]["tau"] for _, m in time_points], marker="o")
-    axes.set(xlabel="training time (min, 2 CPU cores)", ylabel="τ (MT-bench, T=0)", title="Quickstart head")
+    figure, axes = plt.subplots(figsize=(5.5, 3.4))
+    for run, points in curves.items():
+        axes.plot(
+            [m for m, _ in points], [t for _, t in points], marker="o", label=f"{run} ({run_data(run)})"
+        )
+    axes.set(
+        xlabel="training time (min, 2 CPU cores)", ylabel="τ (MT-bench, T=0)", title="τ vs training time"
+    )
     axes.grid(alpha=0.3)
+    axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(DOCS / "results_curve.png", dpi=120)
     plt.close(figure)

@@ -86,6 +86,7 @@ def test_the_quickstart_runs_end_to_end_and_resumes_on_the_tiny_target(tmp_path)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "T=0 head_tree: tau" in first.stdout and "head (native export)" in first.stdout
     out = tmp_path / "quickstart"
+    assert set(json.loads((out / "timings-quickstart.json").read_text())) >= {"regen", "train", "total"}
     assert json.loads((out / "head" / "config.json").read_text())["format"] == "specdraft-head"
     assert sorted(p.name for p in (tmp_path / "train/quickstart/checkpoints/curve").iterdir()) == [
         "step=2.ckpt",
@@ -93,7 +94,7 @@ def test_the_quickstart_runs_end_to_end_and_resumes_on_the_tiny_target(tmp_path)
     ]
     report = tmp_path / "bench" / "quickstart" / "report.json"
     assert set(json.loads(report.read_text())["results"]["T=0"]) == {"plain", "head_tree", "head_tree_small"}
-    regen = out / "regen" / "train-30.jsonl"
+    regen = tmp_path / "regen" / "quickstart-train-30.jsonl"
     regen_bytes, report_bytes = regen.read_bytes(), report.read_bytes()
 
     second = subprocess.run(command, capture_output=True, text=True, check=False)

@@ -13,7 +13,7 @@ would type, and each resumes on its own: re-running the quickstart skips finishe
 4. ``specdraft-export format=native`` — the head as ``<dir>/head``;
 5. ``specdraft-eval``   — τ, acceptance per depth and speedup on MT-bench questions.
 
-The stage timings of this invocation go to ``<dir>/timings.json``; the last lines printed say
+The stage timings of this invocation go to ``<dir>/timings-<run>.json``; the last lines printed say
 where the head and the report are.
 """
 
@@ -45,7 +45,7 @@ def stages(cfg: DictConfig) -> list[Stage]:
     out = Path(cfg.dir)
     common = [f"paths.log_dir={cfg.paths.log_dir}"] + ([f"threads={cfg.threads}"] if cfg.threads else [])
     if cfg.self_distill:
-        regen_path = out / "regen" / f"train-{cfg.conversations}.jsonl"
+        regen_path = Path(cfg.regen.path)
         data = [
             "data=jsonl",
             f"data.source.path={regen_path}",
@@ -90,14 +90,14 @@ def stages(cfg: DictConfig) -> list[Stage]:
                 ],
             )
         )
-    run_name = cfg.name if cfg.self_distill else f"{cfg.name}-sharegpt"
+    run = run_name(cfg)
     plan.append(
         Stage(
             "train",
             "specdraft-train",
             [
                 f"experiment={cfg.experiment}",
-                f"run_name={run_name}",
+                f"run_name={run}",
                 f"datamodule.train_cache={features['train']}",
                 f"datamodule.val_cache={features['heldout']}",
                 *common,
@@ -111,7 +111,7 @@ def stages(cfg: DictConfig) -> list[Stage]:
             "export",
             "specdraft-export",
             [
-                f"checkpoint={Path(cfg.paths.log_dir) / 'train' / run_name}",
+                f"checkpoint={Path(cfg.paths.log_dir) / 'train' / run}",
                 "format=native",
                 f"out={head_dir}",
                 "overwrite=true",
@@ -139,7 +139,7 @@ def stages(cfg: DictConfig) -> list[Stage]:
             [
                 f"checkpoint={head_dir}",
                 "methods=quickstart",
-                f"run_name={run_name}",
+                f"run_name={run}",
                 *prompts,
                 f"max_new_tokens={cfg.eval.max_new_tokens}",
                 f"temperatures=[{','.join(str(t) for t in cfg.eval.temperatures)}]",
@@ -181,8 +181,9 @@ def main(cfg: DictConfig) -> None:
             )
     timings["total"] = round(time.perf_counter() - started, 1)
     out = Path(cfg.dir)
-    write_json_atomic(out / "timings.json", timings)
-    print_summary(plan[-1], out, timings)
+    timings_path = out / f"timings-{run_name(cfg)}.json"
+    write_json_atomic(timings_path, timings)
+    print_summary(plan[-1], timings_path, timings)
 
 
 def console_script(name: str) -> str:
@@ -201,7 +202,13 @@ def clock(seconds: float) -> str:
     return f"{minutes}:{seconds:02d}"
 
 
-def print_summary(eval_stage: Stage, out: Path, timings: dict[str, float]) -> None:
+def run_name(cfg: DictConfig) -> str:
+    """The training / benchmark run name: ``name``, suffixed when not self-distilled so the two
+    data sources never resume each other's run."""
+    return cfg.name if cfg.self_distill else f"{cfg.name}-sharegpt"
+
+
+def print_summary(eval_stage: Stage, timings_path: Path, timings: dict[str, float]) -> None:
     """τ, acceptance per depth and speedup of the head at each temperature, and where things are."""
     overrides = dict(o.split("=", 1) for o in eval_stage.overrides if "=" in o)
     report_dir = Path(overrides["paths.log_dir"]) / "bench" / overrides["run_name"]
@@ -224,7 +231,7 @@ def print_summary(eval_stage: Stage, out: Path, timings: dict[str, float]) -> No
         f"report: {report_dir / 'report.json'}, {report_dir / 'acceptance_per_depth.png'}, "
         f"{report_dir / 'speedup.png'}"
     )
-    print(f"stage timings: {out / 'timings.json'}")
+    print(f"stage timings: {timings_path}")
 
 
 if __name__ == "__main__":
