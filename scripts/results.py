@@ -37,7 +37,8 @@ RESULTS = LOG_DIR / "results"
 DOCS = ROOT / "docs"
 MT_BENCH = os.environ.get("SPECDRAFT_SPEC_BENCH", str(ROOT.parent / "shared" / "bench" / "spec_bench.jsonl"))
 
-# quickstart runs shown (run name -> (its quickstart dir under LOG_DIR, the command that made it))
+# quickstart runs shown (run name -> (its quickstart dir under LOG_DIR, the command that made it)).
+# RUN_CONDITIONS: what a reader must know about how a run's wall times were obtained.
 QUICKSTART_RUNS = {
     "quickstart": ("quickstart", "specdraft-quickstart"),
     "quickstart-sharegpt": ("quickstart", "specdraft-quickstart self_distill=false"),
@@ -56,6 +57,16 @@ ABLATION = {
     "hass": ["experiment=hass"],
     "eagle3": ["experiment=eagle3"],
     "hass_eagle3": ["experiment=hass_eagle3"],
+}
+RUN_CONDITIONS = {
+    "quickstart": (
+        "2026-11-22. The regen stage found its answers already written (8 s): they are byte for byte "
+        "the first 4 chunks of the 512-conversation regeneration (greedy, same chunking), whose "
+        "second 256 conversations took 9:03 (88 tokens/s) alone on the machine. Training shared the "
+        "CPU with the test suite: the same 200 steps alone took 417 s of fit, 7:13 wall (identical validation "
+        "metrics). Eval ran alone."
+    ),
+    "quickstart-sharegpt": "2026-11-22, every stage alone on the machine.",
 }
 TREE = "{kind: dynamic, depth: 5, top_k: 6, total_tokens: 24}"  # the quickstart's head_tree
 CHAIN = "{kind: chain, depth: 4}"
@@ -160,7 +171,7 @@ def doc() -> None:
         "from their JSON outputs. Do not edit by hand.",
         "",
     ]
-    lines += quickstart_section() + ablation_section() + curve_section()
+    lines += quickstart_section() + ablation_section() + curve_section() + READING
     (DOCS / "results.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {DOCS / 'results.md'}")
 
@@ -208,6 +219,21 @@ def head_rows(results: dict, methods: list[str], reference: str | None = None) -
     return rows
 
 
+READING = [
+    "## Reading these numbers",
+    "",
+    "- τ = tokens committed per target forward (accepted drafts + 1); α per depth = the share of",
+    "  verify steps that reached depth d and accepted a token there. Speedup = tokens/s over plain",
+    "  decoding on the same turns in the same run (interleaved per question), prefill included.",
+    "- On this CPU in bf16 one plain decoding step costs ~50–60 ms and verifying a 12 / 24-node tree",
+    "  ~1.2 / ~1.5 plain steps, plus ~10 / ~20 ms of drafting: a head needs τ above ~1.6 (12",
+    "  nodes) or ~2.0 (24 nodes) before speculation pays (the reports' draft_ms / verify_ms).",
+    '- "identical to plain" counts turns whose speculative output equals plain greedy decoding',
+    "  token for token. In bf16 a tree forward rounds differently from a one-token forward, so near",
+    "  ties flip and the outputs drift apart after a while; in fp32 they are equal (tested).",
+    "",
+]
+
 HEADER = "| method | τ T=0 | α per depth T=0 | speedup T=0 | identical to plain T=0 | τ T=1 | speedup T=1 |"
 SEPARATOR = "|---|---|---|---|---|---|---|"
 
@@ -242,6 +268,7 @@ def quickstart_section() -> list[str]:
             f"- data: {run_data(run)} (train cache)",
             f"- training: {training_line(summary)}",
             "- stage wall times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()),
+            *([f"- conditions: {RUN_CONDITIONS[run]}"] if run in RUN_CONDITIONS else []),
             f"- prompts: MT-bench, {prompts.get('per_category')} per category, max_turns "
             f"{prompts.get('max_turns')}, {report['config']['max_new_tokens']} new tokens per turn",
             "",
@@ -299,9 +326,10 @@ def curve_section() -> list[str]:
     lines = [
         "## τ vs training time and data",
         "",
-        "The checkpoints every 50 steps of quickstart runs on two amounts of regenerated data, benched "
-        f"together at T=0 on MT-bench first turns ({machine_line(report)}), with the 24-node tree. "
-        "Training time = step × the run's mean seconds per step (validation included).",
+        "The checkpoints every 50 steps of the quickstart runs in `CURVE_RUNS` (scripts/results.py), "
+        f"benched together at T=0 on MT-bench first turns ({machine_line(report)}), with the 24-node "
+        "tree. Training time = step × the run's mean seconds per step as it ran (validation included; "
+        "see each run's conditions).",
         "",
         "| run | data (train cache) | step | training time | τ T=0 | α per depth | speedup T=0 |",
         "|---|---|---|---|---|---|---|",
@@ -324,6 +352,9 @@ def curve_section() -> list[str]:
                 f"| {run} | {data} | {step} | {step * seconds_per_step / 60:.1f} min | {overall['tau']:.2f} "
                 f"| {alphas} | {overall['speedup']:.2f}× |"
             )
+    for run in curves:
+        if run in RUN_CONDITIONS:
+            lines.append(f"\n- {run}: {RUN_CONDITIONS[run]}")
     plot_curve(curves)
     lines += ["", "![τ vs training time](results_curve.png)", ""]
     return lines
