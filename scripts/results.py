@@ -63,7 +63,8 @@ RUN_CONDITIONS = {
         "2026-11-22. The regen stage found its answers already written (8 s): they are byte for byte "
         "the first 4 chunks of the 512-conversation regeneration (greedy, same chunking), whose "
         "second 256 conversations took 9:03 (88 tokens/s) alone on the machine. Training shared the "
-        "CPU with the test suite: the same 200 steps alone took 417 s of fit, 7:13 wall (identical validation "
+        "CPU with the test suite: the same 200 steps alone took 417 s of fit, 7:13 wall (identical "
+        "validation "
         "metrics). Eval ran alone."
     ),
     "quickstart-sharegpt": "2026-11-22, every stage alone on the machine.",
