@@ -227,11 +227,12 @@ def regenerate(
         "settings": asdict(settings),
         "source": source,
         "chunk_size": chunk_size,
-        "max_turns": max_turns,
         "conversation_ids_sha256": hashlib.sha256(
             "\n".join(c.id for c in conversations).encode()
         ).hexdigest(),
     }
+    if max_turns is not None:  # absent when answering every turn: older outputs stay resumable
+        header["max_turns"] = max_turns
     _check_or_write_header(out_path.with_name(out_path.name + ".meta.json"), header)
     chunks = [conversations[i : i + chunk_size] for i in range(0, len(conversations), chunk_size)]
     progress_path = out_path.with_name(out_path.name + ".progress.json")
