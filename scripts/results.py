@@ -133,7 +133,7 @@ def bench(per_category: int) -> None:
         "methods=none",
         *methods,
         "+methods.hf_prompt_lookup={type: hf, prompt_lookup_tokens: 10}",
-        "checkpoint=unused",
+        "checkpoint=null",
         "run_name=ablation",
         f"paths.log_dir={RESULTS}",
         f"prompts.path={MT_BENCH}",
