@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 LOG_DIR = Path(os.environ.get("SPECDRAFT_LOG_DIR", ROOT / "outputs"))
 QUICKSTART = LOG_DIR / "quickstart"
@@ -252,12 +254,12 @@ def manifest_tokens(cache_dir: Path) -> str:
 
 
 def quickstart_section() -> list[str]:
-    lines = ["## Quickstart (`make quickstart`)", ""]
+    title = "## Quickstart (`make quickstart`)"
     runs = [(run, read_json(LOG_DIR / "bench" / run / "report.json")) for run in QUICKSTART_RUNS]
     runs = [(run, report) for run, report in runs if report is not None]
     if not runs:
-        return [*lines, "_Not run yet: `make quickstart`._", ""]
-    lines += [f"Machine: {machine_line(runs[0][1])}.", ""]
+        return not_run(title, "make quickstart")
+    lines = [title, "", f"Machine: {machine_line(runs[0][1])}.", ""]
     for run, report in runs:
         summary = read_json(LOG_DIR / "train" / run / "summary.json")
         directory = LOG_DIR / QUICKSTART_RUNS[run][0]
@@ -281,15 +283,14 @@ def quickstart_section() -> list[str]:
     return lines
 
 
+def not_run(title: str, command: str) -> list[str]:
+    return [title, "", f"_Not run yet: `{command}`._", ""]
+
+
 def ablation_section() -> list[str]:
     report = read_json(RESULTS / "bench" / "ablation" / "report.json")
     if report is None:
-        return [
-            "## Ablation",
-            "",
-            "_Not run yet: `python scripts/results.py --stages ablation bench doc`._",
-            "",
-        ]
+        return not_run("## Ablation", "python scripts/results.py --stages ablation bench doc")
     lines = [
         "## Ablation: the same data, the same training budget",
         "",
@@ -317,12 +318,7 @@ def ablation_section() -> list[str]:
 def curve_section() -> list[str]:
     report = read_json(RESULTS / "bench" / "curve" / "report.json")
     if report is None:
-        return [
-            "## τ vs training time and data",
-            "",
-            "_Not run yet: `python scripts/results.py --stages curve doc`._",
-            "",
-        ]
+        return not_run("## τ vs training time and data", "python scripts/results.py --stages curve doc")
     results = report["results"]["T=0"]
     lines = [
         "## τ vs training time and data",
@@ -364,10 +360,9 @@ def curve_section() -> list[str]:
 def run_data(run: str) -> str:
     """The train cache a training run read (from its resolved config), as conversations / tokens."""
     config = LOG_DIR / "train" / run / "run_config.yaml"
-    for line in config.read_text().splitlines() if config.is_file() else []:
-        if line.strip().startswith("train_cache:"):
-            return manifest_tokens(Path(line.split(":", 1)[1].strip()))
-    return "–"
+    if not config.is_file():
+        return "–"
+    return manifest_tokens(Path(yaml.safe_load(config.read_text())["datamodule"]["train_cache"]))
 
 
 def plot_curve(curves: dict[str, list[tuple[float, float]]]) -> None:
