@@ -93,7 +93,12 @@ def test_the_quickstart_runs_end_to_end_and_resumes_on_the_tiny_target(tmp_path)
         "step=4.ckpt",
     ]
     report = tmp_path / "bench" / "quickstart" / "report.json"
-    assert set(json.loads(report.read_text())["results"]["T=0"]) == {"plain", "head_tree", "head_tree_small"}
+    assert set(json.loads(report.read_text())["results"]["T=0"]) == {
+        "plain",
+        "head_tree",
+        "head_tree_small",
+        "head_tree_eagle2",
+    }
     regen = tmp_path / "regen" / "quickstart-train-30.jsonl"
     regen_bytes, report_bytes = regen.read_bytes(), report.read_bytes()
 

@@ -1,6 +1,6 @@
 """``specdraft-quickstart``: a trained draft head for the bundled SmolLM2, end to end (Hydra).
 
-    specdraft-quickstart                      # ~30 min on 2 CPU cores; `make run` runs it
+    specdraft-quickstart                      # ~45 min on 2 CPU cores; `make run` runs it
     specdraft-quickstart self_distill=false   # the original ShareGPT answers instead of the target's
 
 Stages, each one of the specdraft commands run as a subprocess (so each is exactly what a user
