@@ -48,6 +48,9 @@ class PreallocatedLayer(DynamicLayer):
         self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
         return self.keys, self.values
 
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a preallocated generation cache is never cropped")
+
     def batch_select_indices(self, indices: Tensor) -> None:
         if self.is_initialized:
             self.key_buffer = self.key_buffer[indices]

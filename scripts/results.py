@@ -41,13 +41,25 @@ MT_BENCH = os.environ.get("SPECDRAFT_SPEC_BENCH", str(ROOT.parent / "shared" / "
 
 # quickstart runs shown (run name -> (its quickstart dir under LOG_DIR, the command that made it)).
 # RUN_CONDITIONS: what a reader must know about how a run's wall times were obtained.
+# Runs made with older defaults name the commit whose defaults they used.
+OLD_DEFAULTS = (
+    "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
+)
 QUICKSTART_RUNS = {
-    "quickstart": ("quickstart", "specdraft-quickstart"),
-    "quickstart-sharegpt": ("quickstart", "specdraft-quickstart self_distill=false"),
+    "quickstart": ("quickstart", "make run (fresh clone: install + specdraft-quickstart)"),
     "quickstart-512": (
         "quickstart-512",
         "specdraft-quickstart name=quickstart-512 conversations=512 "
-        "'overrides.train=[\"trainer.max_steps=400\"]'",
+        f"'overrides.train=[\"trainer.max_steps=400\"]' ({OLD_DEFAULTS})",
+    ),
+    "quickstart-256": (
+        "quickstart-256",
+        f"specdraft-quickstart ({OLD_DEFAULTS}, 256 conversations, 200 steps)",
+    ),
+    "quickstart-sharegpt": (
+        "quickstart-256",
+        "specdraft-quickstart self_distill=false aux_layers=false "
+        f"({OLD_DEFAULTS}, 256 conversations, 200 steps)",
     ),
 }
 # name -> specdraft-train overrides (on top of the shared ones below)
@@ -61,7 +73,11 @@ ABLATION = {
     "hass_eagle3": ["experiment=hass_eagle3"],
 }
 RUN_CONDITIONS = {
-    "quickstart": (
+    "quickstart-512": (
+        "2026-11-22, every stage alone on the machine; the regen stage found its 454 answered "
+        "conversations already written (the session before: HF generate, batch 16, ~88 tokens/s)."
+    ),
+    "quickstart-256": (
         "2026-11-22. The regen stage found its answers already written (8 s): they are byte for byte "
         "the first 4 chunks of the 512-conversation regeneration (greedy, same chunking), whose "
         "second 256 conversations took 9:03 (88 tokens/s) alone on the machine. Training shared the "
@@ -78,8 +94,9 @@ MEDUSA_TREE = (  # conf/methods/medusa.yaml's static tree
     "num_nodes: 16}"
 )
 # τ vs training time and data: quickstart runs (specdraft-quickstart name=…) whose checkpoints/curve
-# are benched together; labels become method names.
-CURVE_RUNS = {"quickstart": "c256", "quickstart-512": "c512"}
+# (every 50 steps) are benched together, every CURVE_EVERY steps; labels become method names.
+CURVE_RUNS = {"quickstart-256": "c256", "quickstart-512": "c512", "quickstart": "c768"}
+CURVE_EVERY = 100
 
 
 def command(name: str, *overrides: str) -> None:
@@ -149,7 +166,9 @@ def curve(per_category: int) -> None:
     methods = []
     for run, label in CURVE_RUNS.items():
         for path in sorted((LOG_DIR / "train" / run / "checkpoints" / "curve").glob("step=*.ckpt")):
-            methods.append(head_method(f"{label}_step{path.stem.split('=')[1]}", path, TREE))
+            step = int(path.stem.split("=")[1])
+            if step % CURVE_EVERY == 0:
+                methods.append(head_method(f"{label}_step{step}", path, TREE))
     command(
         "specdraft-bench",
         "methods=none",
@@ -323,7 +342,8 @@ def curve_section() -> list[str]:
     lines = [
         "## τ vs training time and data",
         "",
-        "The checkpoints every 50 steps of the quickstart runs in `CURVE_RUNS` (scripts/results.py), "
+        f"The checkpoints every {CURVE_EVERY} steps of the quickstart runs in `CURVE_RUNS` "
+        "(scripts/results.py), "
         f"benched together at T=0 on MT-bench first turns ({machine_line(report)}), with the 24-node "
         "tree. Training time = step × the run's mean seconds per step as it ran (validation included; "
         "see each run's conditions).",
@@ -362,7 +382,8 @@ def run_data(run: str) -> str:
     config = LOG_DIR / "train" / run / "run_config.yaml"
     if not config.is_file():
         return "–"
-    return manifest_tokens(Path(yaml.safe_load(config.read_text())["datamodule"]["train_cache"]))
+    cache = Path(yaml.safe_load(config.read_text())["datamodule"]["train_cache"])
+    return manifest_tokens(cache if cache.is_absolute() else ROOT / cache)
 
 
 def plot_curve(curves: dict[str, list[tuple[float, float]]]) -> None:
