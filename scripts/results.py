@@ -10,9 +10,9 @@ Stages (``--stages`` picks some):
 * ``bench``     — ONE ``specdraft-bench`` run over every trained head (EAGLE-1 as a chain and as
   an EAGLE-2 dynamic tree), HF prompt lookup and plain decoding, interleaved per question, at
   T=0 and T=1 on MT-bench;
-* ``curve``     — the checkpoints (every 50 steps) of the quickstart runs in ``CURVE_RUNS`` (the
-  default quickstart and ``specdraft-quickstart name=quickstart-512 conversations=512`` with 400
-  steps), benched together at T=0: τ against training time, at two amounts of data;
+* ``curve``     — every ``CURVE_EVERY``-th step's checkpoint of the quickstart runs in ``CURVE_RUNS``
+  (256, 512 and 768 regenerated conversations), benched together at T=0: τ against training time,
+  at three amounts of data;
 * ``doc``       — docs/results.md and docs/results_curve.png from the JSON the stages wrote.
 
 The numbers in the doc are read from those JSON files only.
@@ -73,6 +73,11 @@ ABLATION = {
     "hass_eagle3": ["experiment=hass_eagle3"],
 }
 RUN_CONDITIONS = {
+    "quickstart": (
+        "2026-11-22, `time make run` in a fresh clone of commit 6206b5f with an empty "
+        "SPECDRAFT_CACHE_DIR and no outputs (pip's download cache warm), alone on the machine: "
+        "46:28 wall in all, of which the quickstart's stages 44:50."
+    ),
     "quickstart-512": (
         "2026-11-22, every stage alone on the machine; the regen stage found its 454 answered "
         "conversations already written (the session before: HF generate, batch 16, ~88 tokens/s)."
@@ -157,6 +162,7 @@ def bench(per_category: int) -> None:
         f"paths.log_dir={RESULTS}",
         f"prompts.path={MT_BENCH}",
         f"prompts.per_category={per_category}",
+        "prompts.max_turns=1",
         "temperatures=[0.0,1.0]",
     )
 
@@ -260,6 +266,15 @@ HEADER = "| method | τ T=0 | α per depth T=0 | speedup T=0 | identical to plai
 SEPARATOR = "|---|---|---|---|---|---|---|"
 
 
+def prompts_line(report: dict) -> str:
+    prompts, config = report["config"]["prompts"], report["config"]
+    turns = "first turns" if prompts.get("max_turns") == 1 else f"max_turns {prompts.get('max_turns')}"
+    return (
+        f"MT-bench, {prompts.get('per_category')} per category, {turns}, "
+        f"{config['max_new_tokens']} new tokens per turn"
+    )
+
+
 def training_line(summary: dict) -> str:
     return (
         f"{summary['global_step']} steps, {summary['tokens_seen']:,} tokens seen, "
@@ -283,7 +298,6 @@ def quickstart_section() -> list[str]:
         summary = read_json(LOG_DIR / "train" / run / "summary.json")
         directory = LOG_DIR / QUICKSTART_RUNS[run][0]
         timings = read_json(directory / f"timings-{run}.json") or {}
-        prompts = report["config"]["prompts"]
         lines += [
             f"### `{QUICKSTART_RUNS[run][1]}` (run `{run}`)",
             "",
@@ -291,8 +305,7 @@ def quickstart_section() -> list[str]:
             f"- training: {training_line(summary)}",
             "- stage wall times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()),
             *([f"- conditions: {RUN_CONDITIONS[run]}"] if run in RUN_CONDITIONS else []),
-            f"- prompts: MT-bench, {prompts.get('per_category')} per category, max_turns "
-            f"{prompts.get('max_turns')}, {report['config']['max_new_tokens']} new tokens per turn",
+            f"- prompts: {prompts_line(report)}",
             "",
             HEADER,
             SEPARATOR,
@@ -314,7 +327,8 @@ def ablation_section() -> list[str]:
         "## Ablation: the same data, the same training budget",
         "",
         f"Machine: {machine_line(report)}. Data: the quickstart's features "
-        f"({manifest_tokens(FEATURES / 'train')}). Each head trained alone on the machine.",
+        f"({manifest_tokens(FEATURES / 'train')}). Each head trained alone on the machine. "
+        f"Prompts: {prompts_line(report)}.",
         "",
         "| run | training |",
         "|---|---|",
@@ -344,7 +358,7 @@ def curve_section() -> list[str]:
         "",
         f"The checkpoints every {CURVE_EVERY} steps of the quickstart runs in `CURVE_RUNS` "
         "(scripts/results.py), "
-        f"benched together at T=0 on MT-bench first turns ({machine_line(report)}), with the 24-node "
+        f"benched together at T=0 ({prompts_line(report)}; {machine_line(report)}), with the 24-node "
         "tree. Training time = step × the run's mean seconds per step as it ran (validation included; "
         "see each run's conditions).",
         "",
