@@ -75,6 +75,7 @@ ABLATION = {
     "eagle3": ["experiment=eagle3"],
     "hass_eagle3": ["experiment=hass_eagle3"],
 }
+OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
     "quickstart": (
         "2026-11-22, `time make run` in a fresh clone of commit 6206b5f with an empty "
@@ -119,8 +120,11 @@ def best_checkpoint(run_dir: Path) -> Path:
     return Path(summary["best_checkpoint"])
 
 
-def head_method(name: str, checkpoint: Path, shape: str) -> str:
-    return f"+methods.{name}={{type: head, checkpoint: '{checkpoint}', shape: {shape}, shortlist: true}}"
+def head_method(name: str, checkpoint: Path, shape: str, shortlist: bool = True) -> str:
+    return (
+        f"+methods.{name}={{type: head, checkpoint: '{checkpoint}', shape: {shape}, "
+        f"shortlist: {str(shortlist).lower()}}}"
+    )
 
 
 def ablation(budget: str) -> None:
@@ -154,7 +158,11 @@ def bench(per_category: int) -> None:
         head_method("medusa_tree", runs["medusa"], MEDUSA_TREE),
         head_method("eagle_chain", runs["eagle"], CHAIN),
     ]
-    methods += [head_method(f"{name}_tree", runs[name], TREE) for name in ABLATION if name != "medusa"]
+    methods += [
+        head_method(f"{name}_tree", runs[name], TREE, shortlist=name not in OWN_VOCAB)
+        for name in ABLATION
+        if name != "medusa"
+    ]
     command(
         "specdraft-bench",
         "methods=none",
