@@ -232,7 +232,8 @@ def doc() -> None:
 
 
 def sections(path: Path) -> dict[str, list[str]]:
-    """A markdown file's ``## `` sections: title line -> the lines after it (blank-led lines dropped)."""
+    """A markdown file's ``## `` sections: title line -> the lines after it, less the blank line
+    right after the title."""
     found: dict[str, list[str]] = {}
     title = None
     for line in path.read_text().splitlines() if path.is_file() else []:
@@ -480,9 +481,7 @@ def curve_section() -> list[str] | None:
         if summary is None or not points:
             continue
         seconds_per_step = summary["fit_seconds"] / summary["global_step"]
-        curves[f"{run} ({data})"] = [
-            (step * seconds_per_step / 60, results[m]["overall"]["tau"]) for step, m in points
-        ]
+        curves[run] = [(step * seconds_per_step / 60, results[m]["overall"]["tau"]) for step, m in points]
         for step, method in points:
             overall = results[method]["overall"]
             alphas = " / ".join(
@@ -492,15 +491,18 @@ def curve_section() -> list[str] | None:
                 f"| {run} | {data} | {step} | {step * seconds_per_step / 60:.1f} min | {overall['tau']:.2f} "
                 f"| {alphas} | {overall['speedup']:.2f}× |"
             )
-    for run in CURVE_RUNS:
-        if run in RUN_CONDITIONS and any(label.startswith(run + " ") for label in curves):
+    for run in curves:
+        if run in RUN_CONDITIONS:
             lines.append(f"\n- {run}: {RUN_CONDITIONS[run]}")
-    plot_curve(curves)
+    plot_curve(
+        {f"{run} ({data_text(snapshot['runs'][run]['data'])})": points for run, points in curves.items()}
+    )
     lines += ["", "![τ vs training time](results_curve.png)", ""]
     return lines
 
 
 def plot_curve(curves: dict[str, list[tuple[float, float]]]) -> None:
+    """One line per legend label: (training minutes, τ) points."""
     import matplotlib
 
     matplotlib.use("Agg")
