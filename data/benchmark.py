@@ -22,7 +22,8 @@ from specdraft.data.atomic import write_json_atomic
 from specdraft.data.cache import StoredFields, write_cache
 from specdraft.data.chat import TokenizedConversation
 from specdraft.data.features import TokenBatch, collate, extract_features, length_batches, pad_token_id
-from specdraft.data.target import Target, cpu_has_fast_bf16
+from specdraft.data.hardware import detect_hardware, start
+from specdraft.data.target import Target
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -148,8 +149,7 @@ def main() -> None:
     parser.add_argument("--cache", action="store_true", help="benchmark feature caching instead")
     parser.add_argument("--conversations", type=int, default=40, help="ShareGPT conversations (--cache)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    start("specdraft.data.benchmark", args.threads)
 
     from specdraft.data.target import load_packaged_gguf_target
 
@@ -179,7 +179,7 @@ def main() -> None:
         "seq_len": args.seq_len,
         "repeats": args.repeats,
         "torch_threads": torch.get_num_threads(),
-        "cpu_has_fast_bf16": cpu_has_fast_bf16(),
+        "hardware": detect_hardware().record(),
         "load_average_at_end": os.getloadavg(),
         "torch_version": torch.__version__,
     }

@@ -11,21 +11,20 @@ from __future__ import annotations
 import logging
 
 import hydra
-import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from specdraft.data.cache import StoredFields, finalize_manifest, validate_cache, write_cache
 from specdraft.data.chat import tokenize_conversations
 from specdraft.data.conversations import split_conversations
+from specdraft.data.hardware import start
 
 log = logging.getLogger(__name__)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="cache")
 def main(cfg: DictConfig) -> None:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    start("specdraft-cache", cfg.threads, cfg.target.get("device", "cpu"), cfg.target.get("dtype"))
     if cfg.mode == "validate":
         finalize_manifest(cfg.out_dir)
         manifest = validate_cache(cfg.out_dir)

@@ -28,6 +28,7 @@ from specdraft.data.atomic import write_json_atomic
 from specdraft.data.chat import TokenizedConversation, tokenize_conversations
 from specdraft.data.conversations import split_conversations
 from specdraft.data.features import collate, extract_features, length_batches, pad_token_id
+from specdraft.data.hardware import start
 from specdraft.data.regen import GenerationSettings, TargetResponder
 from specdraft.data.target import Target
 
@@ -36,8 +37,7 @@ log = logging.getLogger(__name__)
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="prepare")
 def main(cfg: DictConfig) -> None:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    start("specdraft-prepare", cfg.threads, cfg.target.get("device", "cpu"), cfg.target.get("dtype"))
     started = time.perf_counter()
     target: Target = instantiate(cfg.target)
     load_seconds = time.perf_counter() - started

@@ -11,18 +11,17 @@ import os
 from pathlib import Path
 
 import hydra
-import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from specdraft.data.conversations import split_conversations
+from specdraft.data.hardware import start
 from specdraft.data.regen import GenerationSettings, OpenAIResponder, TargetResponder, regenerate
 
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="regen")
 def main(cfg: DictConfig) -> None:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    start("specdraft-regen", cfg.threads, cfg.target.get("device", "cpu"), cfg.target.get("dtype"))
     settings = GenerationSettings(**cfg.generation)
     if cfg.backend == "target":
         responder = TargetResponder(instantiate(cfg.target), settings, cfg.batch_size, cfg.max_prompt_tokens)

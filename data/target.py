@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from specdraft.data.assets import find_package_file
 from specdraft.data.atomic import file_sha256
 from specdraft.data.chat import end_of_turn_token_id
+from specdraft.data.hardware import resolve_dtype
 from specdraft.heads.frozen import TargetWeights
 from specdraft.heads.spec import TargetSpec, default_aux_layer_ids
 
@@ -53,31 +54,6 @@ class Target:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True on CPUs with AMX-bf16 or AVX-512-bf16 (where bf16 matmuls beat fp32, DESIGN §5)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
-    """``"auto"`` → bf16 on CUDA with bf16 support and on bf16-capable CPUs, fp32 otherwise."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype != "auto":
-        resolved = getattr(torch, dtype, None)
-        if not isinstance(resolved, torch.dtype):
-            raise ValueError(
-                f"target dtype {dtype!r} is not a torch dtype name (e.g. bfloat16, float32, auto)"
-            )
-        return resolved
-    if torch.device(device).type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
 def load_hf_target(

@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from specdraft.data.atomic import write_json_atomic
+from specdraft.data.hardware import detect_hardware
 from specdraft.data.target import Target
 from specdraft.eval.decode import Generation
 from specdraft.eval.methods import Method
@@ -193,6 +194,7 @@ def machine_info() -> dict[str, Any]:
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "hardware": detect_hardware().record(),  # the CPU model and the flags that decide bf16
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdraft.data.chat import assistant_token_counts, tokenize_conversations
 from specdraft.data.conversations import split_conversations
+from specdraft.data.hardware import start
 from specdraft.data.target import Target
 from specdraft.eval.baselines import load_draft_model
 from specdraft.eval.bench import BenchDirError, run_benchmark
@@ -34,26 +35,25 @@ log = logging.getLogger(__name__)
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="bench")
 def bench_main(cfg: DictConfig) -> None:
-    _main(cfg)
+    _main(cfg, "specdraft-bench")
 
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="eval")
 def eval_main(cfg: DictConfig) -> None:
-    _main(cfg)
+    _main(cfg, "specdraft-eval")
 
 
-def _main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig, command: str) -> None:
     try:
-        report = run(cfg)
+        report = run(cfg, command)
     except BenchDirError as error:
         raise SystemExit(f"specdraft-bench: {error}") from None
     print(format_table(report["results"]))
     print(f"report: {Path(cfg.paths.output_dir) / 'report.json'}")
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
+    start(command, cfg.threads, cfg.target.get("device", "cpu"), cfg.target.get("dtype"))
     target: Target = instantiate(cfg.target)
     questions = instantiate(cfg.prompts)
     if not questions:

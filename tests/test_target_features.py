@@ -4,7 +4,7 @@ import torch
 from specdraft.data.chat import tokenize_conversation
 from specdraft.data.conversations import Conversation, Message
 from specdraft.data.features import collate, extract_features, length_batches
-from specdraft.data.target import cpu_has_fast_bf16, load_hf_target, resolve_dtype
+from specdraft.data.target import load_hf_target
 from specdraft.data.tiny import tiny_random_target
 
 
@@ -40,14 +40,6 @@ def test_tiny_target_is_reproducible_and_leaves_the_global_rng_alone():
     assert torch.rand(1) == expected_next
     for a, b in zip(first.model.state_dict().values(), second.model.state_dict().values(), strict=True):
         assert torch.equal(a, b)
-
-
-def test_resolve_dtype():
-    assert resolve_dtype("float32") is torch.float32
-    assert resolve_dtype("bfloat16") is torch.bfloat16
-    assert resolve_dtype("auto", "cpu") is (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)
-    with pytest.raises(ValueError, match="'fp33' is not a torch dtype name"):
-        resolve_dtype("fp33")
 
 
 def test_aux_layers_follow_the_hidden_states_convention(tiny_target):

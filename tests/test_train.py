@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_module
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
+from specdraft.data.hardware import resolve_precision
 from specdraft.train.cli import train
 from specdraft.train.run_dir import RunDirError
 
@@ -21,10 +22,14 @@ EXPERIMENTS = ["medusa", "eagle", "eagle3", "hass", "hass_eagle3"]
 
 
 def compose_train(run_dir: Path, *overrides: str):
-    """The real train config, composed as the CLI would, with its output dir set to ``run_dir``."""
+    """The real train config, composed as the CLI would, with its output dir set to ``run_dir``.
+    fp32 unless a test asks otherwise: what these tests check must not depend on the CPU's flags
+    (``precision: auto`` is checked through the CLI in test_cli_smoke)."""
     with initialize_config_module("specdraft.conf", version_base="1.3"):
         cfg = compose(
-            "train", overrides=[*overrides, f"paths.output_dir={run_dir}"], return_hydra_config=True
+            "train",
+            overrides=["trainer.precision=32-true", *overrides, f"paths.output_dir={run_dir}"],
+            return_hydra_config=True,
         )
     HydraConfig.instance().set_config(cfg)  # for ${hydra:runtime.choices.*}
     with open_dict(cfg):
@@ -126,6 +131,9 @@ def test_cli_smoke(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "train" / "smoke-eagle3-eagle3" / "summary.json").read_text())
     assert summary["global_step"] == 6
+    # precision auto followed this machine, and the start-up line says what was chosen and why
+    assert summary["precision"] == resolve_precision("auto", "cpu")
+    assert f"precision auto → {summary['precision']};" in result.stdout  # Hydra logs to stdout
 
 
 def test_ddp_two_processes_on_cpu(tmp_path):

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdraft.data.atomic import write_json_atomic
 from specdraft.data.datamodule import FeatureDataModule
+from specdraft.data.hardware import resolve_precision, start
 from specdraft.data.target import Target, target_weights
 from specdraft.heads.registry import build_head
 from specdraft.heads.vocab import draft_vocab_from_counts
@@ -53,8 +54,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     run_dir = Path(cfg.paths.output_dir)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resume_from = prepare_run_dir(run_dir, resolved, cfg.resume, list(cfg.resume_ignore))
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    # The stored config keeps `auto`; the value it resolves to follows the machine this run is on.
+    accelerator = str(cfg.trainer.accelerator)
+    start(
+        "specdraft-train", cfg.threads, cfg.target.get("device", "cpu"), cfg.target.get("dtype"),
+        cfg.trainer.precision, accelerator,
+    )  # fmt: skip
+    precision = resolve_precision(cfg.trainer.precision, accelerator)
     L.seed_everything(cfg.seed, workers=True)
 
     target: Target = instantiate(cfg.target)
@@ -77,8 +83,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         logger.log_hyperparams(resolved)  # the resolved Hydra config is the run config
     if not loggers:  # nothing to log the lr to (Lightning refuses the monitor without a logger)
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
-    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
-    log.info("training %s (%s trainable parameters) in %s", record["kind"], f"{count(head):,}", run_dir)
+    trainer: L.Trainer = instantiate(
+        cfg.trainer, precision=precision, callbacks=callbacks, logger=loggers or False
+    )
+    log.info(
+        "training %s (%s trainable parameters, precision %s) in %s",
+        record["kind"], f"{count(head):,}", precision, run_dir,
+    )  # fmt: skip
     if resume_from:
         log.info("resuming from %s", resume_from)
 
@@ -134,6 +145,7 @@ def run_summary(trainer: L.Trainer, module: DraftHeadModule, seconds: float, res
         "train_tokens_per_s": throughput.tokens_per_second if throughput else None,
         "peak_memory_gb": peak_memory_bytes(module.device) / 2**30,
         "trainable_parameters": count(module.head),
+        "precision": str(trainer.precision),
     }
 
 

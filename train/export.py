@@ -21,6 +21,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from specdraft.data.hardware import start
 from specdraft.data.target import Target, target_weights
 from specdraft.heads.formats import FORMATS, FormatError, read_checkpoint, write_export
 from specdraft.heads.formats.files import check_destination
@@ -51,6 +52,7 @@ def export(cfg: DictConfig) -> Path:
     )
     check_destination(out, cfg.overwrite)  # before the target is loaded: fail in a second, not a minute
     record = read_checkpoint(checkpoint)
+    start("specdraft-export", None, cfg.target.get("device", "cpu"), cfg.target.get("dtype"))
     target: Target = instantiate(cfg.target)
     path = write_export(
         out,

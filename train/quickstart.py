@@ -31,6 +31,7 @@ import hydra
 from omegaconf import DictConfig
 
 from specdraft.data.atomic import write_json_atomic
+from specdraft.data.hardware import start
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,7 @@ def stages(cfg: DictConfig) -> list[Stage]:
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="quickstart")
 def main(cfg: DictConfig) -> None:
+    start("specdraft-quickstart", cfg.threads)
     plan = stages(cfg)
     if not Path(cfg.eval.mt_bench).is_file():
         print(
