@@ -41,20 +41,45 @@ def write_serving_target(target: Target, out_dir: Path) -> Path:
     return out_dir
 
 
+def vllm_unavailable(python: str | Path, timeout_s: float) -> str | None:
+    """Why vLLM cannot run under ``python`` on this machine (one line), or None when it imports.
+    Checked up front so that a machine the CPU build does not support skips the interop tier
+    instead of failing or hanging in the middle of it."""
+    command = [str(python), "-c", "import vllm; from vllm import LLM, SamplingParams"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"`import vllm` did not finish in {timeout_s:.0f} s"
+    except OSError as error:
+        return f"{python} does not run: {error}"
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines() or [f"exit {done.returncode}"]
+        return f"`import vllm` failed: {lines[-1]}"
+    return None
+
+
 def run_vllm(
-    python: str | Path, script: str | Path, job: dict[str, Any], work_dir: Path, env: dict[str, str]
+    python: str | Path,
+    script: str | Path,
+    job: dict[str, Any],
+    work_dir: Path,
+    env: dict[str, str],
+    timeout_s: float | None = None,
 ) -> dict:
-    """One vLLM engine in a subprocess of ``python`` (vLLM's venv): job in, result JSON out."""
+    """One vLLM engine in a subprocess of ``python`` (vLLM's venv): job in, result JSON out.
+    Fails (never hangs) when the engine has not answered within ``timeout_s``."""
     work_dir.mkdir(parents=True, exist_ok=True)
     job_path, result_path, log_path = work_dir / "job.json", work_dir / "result.json", work_dir / "vllm.log"
     job_path.write_text(json.dumps(job))
+    argv = [str(python), str(script), str(job_path), str(result_path)]
     with open(log_path, "w") as log:
-        done = subprocess.run(
-            [str(python), str(script), str(job_path), str(result_path)], stdout=log, stderr=log, env=env
-        )
-    if done.returncode != 0 or not result_path.is_file():
+        try:
+            returncode = subprocess.run(argv, stdout=log, stderr=log, env=env, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            returncode = f"timed out after {timeout_s:.0f} s"
+    if returncode != 0 or not result_path.is_file():
         tail = log_path.read_text()[-3000:]
-        raise RuntimeError(f"vLLM run in {work_dir} failed (exit {done.returncode}); log tail:\n{tail}")
+        raise RuntimeError(f"vLLM run in {work_dir} failed (exit {returncode}); log tail:\n{tail}")
     return json.loads(result_path.read_text())
 
 

@@ -328,8 +328,12 @@ def data_text(counts: dict | None) -> str:
 
 def machine_line(report: dict) -> str:
     machine = report["machine"]
+    hardware = machine.get("hardware")  # the CPU model and flags; older reports lack them
+    processor = machine["processor"]
+    if hardware:
+        processor = f"{hardware['name']} ({', '.join(hardware['cpu_flags'])})"
     return (
-        f"{machine['time'][:10]}, {machine['processor']} × {machine['cpu_count']} cores "
+        f"{machine['time'][:10]}, {processor} × {machine['cpu_count']} cores "
         f"({machine['threads']} torch threads), torch {machine['torch']}, {machine['platform']}"
     )
 
