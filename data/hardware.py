@@ -149,12 +149,6 @@ def start(
     if precision is not None:
         train_hardware = hardware if accelerator_device(accelerator) == hardware.device_type else None
         chosen.append(f"precision {precision} → {resolve_precision(precision, accelerator, train_hardware)}")
-    log.info(
-        "%s on %s (%s); %s; %d torch threads",
-        command,
-        hardware.name,
-        hardware.reason(),
-        "; ".join(chosen) or "no dtype chosen",
-        torch.get_num_threads(),
-    )
+    chosen.append(f"{torch.get_num_threads()} torch threads")
+    log.info("%s on %s (%s); %s", command, hardware.name, hardware.reason(), "; ".join(chosen))
     return hardware

@@ -157,7 +157,7 @@ def main(cfg: DictConfig) -> None:
     hardware = start("specdraft-quickstart", cfg.threads)
     # The expected minutes were measured on a 2-core CPU with native bf16; without it every stage
     # runs in fp32, several times slower (README, Set-up).
-    where = "this machine" if hardware.fast_bf16 else "a 2-core AMX-bf16 CPU; fp32 here takes longer"
+    where = "on this machine" if hardware.fast_bf16 else "on a 2-core AMX-bf16 CPU, longer here in fp32"
     plan = stages(cfg)
     if not Path(cfg.eval.mt_bench).is_file():
         print(
@@ -171,7 +171,7 @@ def main(cfg: DictConfig) -> None:
         elapsed = time.perf_counter() - started
         print(
             f"\n=== quickstart [{number}/{len(plan)}] {stage.name}  (elapsed {clock(elapsed)}; "
-            f"{where}: ~{cfg.expected_minutes[stage.name.split()[0]]} min) ===",
+            f"~{cfg.expected_minutes[stage.name.split()[0]]} min {where}) ===",
             flush=True,
         )
         argv = [console_script(stage.command), *stage.overrides]
