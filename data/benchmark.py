@@ -22,7 +22,7 @@ from specdraft.data.atomic import write_json_atomic
 from specdraft.data.cache import StoredFields, write_cache
 from specdraft.data.chat import TokenizedConversation
 from specdraft.data.features import TokenBatch, collate, extract_features, length_batches, pad_token_id
-from specdraft.data.hardware import detect_hardware, start
+from specdraft.data.hardware import start
 from specdraft.data.target import Target
 
 
@@ -149,7 +149,7 @@ def main() -> None:
     parser.add_argument("--cache", action="store_true", help="benchmark feature caching instead")
     parser.add_argument("--conversations", type=int, default=40, help="ShareGPT conversations (--cache)")
     args = parser.parse_args()
-    start("specdraft.data.benchmark", args.threads)
+    hardware = start("specdraft.data.benchmark", args.threads).hardware
 
     from specdraft.data.target import load_packaged_gguf_target
 
@@ -179,7 +179,7 @@ def main() -> None:
         "seq_len": args.seq_len,
         "repeats": args.repeats,
         "torch_threads": torch.get_num_threads(),
-        "hardware": detect_hardware().record(),
+        "hardware": hardware.record(),
         "load_average_at_end": os.getloadavg(),
         "torch_version": torch.__version__,
     }

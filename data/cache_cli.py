@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="cache")
 def main(cfg: DictConfig) -> None:
-    start("specdraft-cache", cfg.threads, cfg.target.get("device", "cpu"), cfg.target.get("dtype"))
+    start("specdraft-cache", cfg.threads, cfg.target)
     if cfg.mode == "validate":
         finalize_manifest(cfg.out_dir)
         manifest = validate_cache(cfg.out_dir)

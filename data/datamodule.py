@@ -214,15 +214,14 @@ class FeatureDataModule(L.LightningDataModule):
                 self.target.tokenizer, conversations, self.max_length, self.progress
             )
             if not samples:
+                hint = (
+                    f" (held out: a hash of each id under heldout_fraction={self.heldout_fraction};"
+                    " raise data.heldout_fraction or data.source.limit)"
+                )
                 raise ValueError(
                     f"the {split} split of the conversations ({len(conversations)} of "
                     f"{len(self.conversations.conversations)}) has no sample to train or validate on"
-                    + (
-                        f" (held out: a hash of each id under heldout_fraction={self.heldout_fraction};"
-                        " raise data.heldout_fraction or data.source.limit)"
-                        if split == "val"
-                        else ""
-                    )
+                    + (hint if split == "val" else "")
                 )
             self.datasets[split] = TokenizedDataset(samples)
 

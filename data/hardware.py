@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import logging
 import platform
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -130,25 +132,40 @@ def resolve_precision(
     return BF16_PRECISION if hardware.fast_bf16 else FULL_PRECISION
 
 
+@dataclass(frozen=True)
+class Startup:
+    """What :func:`start` found and chose (None where the command chooses no dtype / precision)."""
+
+    hardware: Hardware
+    dtype: torch.dtype | None = None
+    precision: str | None = None
+
+
 def start(
     command: str,
     threads: int | None = None,
-    device: str | torch.device = "cpu",
-    dtype: str | torch.dtype | None = None,
+    target: Mapping[str, Any] | None = None,
     precision: str | None = None,
     accelerator: str = "cpu",
-) -> Hardware:
+) -> Startup:
     """What every command does first: set torch's intra-op threads (None keeps torch's default,
-    one per core), detect the hardware and log one line with what was chosen and why."""
+    one per core), detect the hardware, resolve the ``target`` config's ``dtype`` and the
+    trainer's ``precision``, and log one line with what was chosen and why."""
     if threads:
         torch.set_num_threads(threads)
+    device = (target or {}).get("device", "cpu")
     hardware = detect_hardware(device)
-    chosen = []
-    if dtype is not None:
-        chosen.append(f"dtype {dtype} → {str(resolve_dtype(dtype, device, hardware)).removeprefix('torch.')}")
+    dtype = (target or {}).get("dtype")
+    resolved_dtype = resolve_dtype(dtype, device, hardware) if dtype is not None else None
+    resolved_precision = None
     if precision is not None:
-        train_hardware = hardware if accelerator_device(accelerator) == hardware.device_type else None
-        chosen.append(f"precision {precision} → {resolve_precision(precision, accelerator, train_hardware)}")
+        same_device = accelerator_device(accelerator) == hardware.device_type
+        resolved_precision = resolve_precision(precision, accelerator, hardware if same_device else None)
+    chosen = []
+    if resolved_dtype is not None:
+        chosen.append(f"dtype {dtype} → {str(resolved_dtype).removeprefix('torch.')}")
+    if resolved_precision is not None:
+        chosen.append(f"precision {precision} → {resolved_precision}")
     chosen.append(f"{torch.get_num_threads()} torch threads")
     log.info("%s on %s (%s); %s", command, hardware.name, hardware.reason(), "; ".join(chosen))
-    return hardware
+    return Startup(hardware, resolved_dtype, resolved_precision)

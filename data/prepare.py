@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="prepare")
 def main(cfg: DictConfig) -> None:
-    start("specdraft-prepare", cfg.threads, cfg.target.get("device", "cpu"), cfg.target.get("dtype"))
+    start("specdraft-prepare", cfg.threads, cfg.target)
     started = time.perf_counter()
     target: Target = instantiate(cfg.target)
     load_seconds = time.perf_counter() - started

@@ -21,7 +21,7 @@ from specdraft.data.regen import GenerationSettings, OpenAIResponder, TargetResp
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="regen")
 def main(cfg: DictConfig) -> None:
-    start("specdraft-regen", cfg.threads, cfg.target.get("device", "cpu"), cfg.target.get("dtype"))
+    start("specdraft-regen", cfg.threads, cfg.target)
     settings = GenerationSettings(**cfg.generation)
     if cfg.backend == "target":
         responder = TargetResponder(instantiate(cfg.target), settings, cfg.batch_size, cfg.max_prompt_tokens)

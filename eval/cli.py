@@ -53,7 +53,7 @@ def _main(cfg: DictConfig, command: str) -> None:
 
 
 def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
-    start(command, cfg.threads, cfg.target.get("device", "cpu"), cfg.target.get("dtype"))
+    start(command, cfg.threads, cfg.target)
     target: Target = instantiate(cfg.target)
     questions = instantiate(cfg.prompts)
     if not questions:

@@ -88,7 +88,7 @@ def test_start_logs_the_machine_and_the_choices(caplog):
     threads = torch.get_num_threads()
     try:
         with caplog.at_level(logging.INFO, logger="specdraft.data.hardware"):
-            hardware = start("specdraft-test", threads=1, dtype="float32", precision="32-true")
+            hardware = start("specdraft-test", 1, {"dtype": "float32"}, precision="32-true").hardware
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)

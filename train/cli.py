@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdraft.data.atomic import write_json_atomic
 from specdraft.data.datamodule import FeatureDataModule
-from specdraft.data.hardware import resolve_precision, start
+from specdraft.data.hardware import start
 from specdraft.data.target import Target, target_weights
 from specdraft.heads.registry import build_head
 from specdraft.heads.vocab import draft_vocab_from_counts
@@ -55,12 +55,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resume_from = prepare_run_dir(run_dir, resolved, cfg.resume, list(cfg.resume_ignore))
     # The stored config keeps `auto`; the value it resolves to follows the machine this run is on.
-    accelerator = str(cfg.trainer.accelerator)
-    start(
-        "specdraft-train", cfg.threads, cfg.target.get("device", "cpu"), cfg.target.get("dtype"),
-        cfg.trainer.precision, accelerator,
-    )  # fmt: skip
-    precision = resolve_precision(cfg.trainer.precision, accelerator)
+    precision = start(
+        "specdraft-train", cfg.threads, cfg.target, cfg.trainer.precision, str(cfg.trainer.accelerator)
+    ).precision
     L.seed_everything(cfg.seed, workers=True)
 
     target: Target = instantiate(cfg.target)

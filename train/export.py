@@ -52,7 +52,7 @@ def export(cfg: DictConfig) -> Path:
     )
     check_destination(out, cfg.overwrite)  # before the target is loaded: fail in a second, not a minute
     record = read_checkpoint(checkpoint)
-    start("specdraft-export", None, cfg.target.get("device", "cpu"), cfg.target.get("dtype"))
+    start("specdraft-export", target=cfg.target)
     target: Target = instantiate(cfg.target)
     path = write_export(
         out,

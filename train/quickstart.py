@@ -154,7 +154,7 @@ def stages(cfg: DictConfig) -> list[Stage]:
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="quickstart")
 def main(cfg: DictConfig) -> None:
-    hardware = start("specdraft-quickstart", cfg.threads)
+    hardware = start("specdraft-quickstart", cfg.threads).hardware
     # The expected minutes were measured on a 2-core CPU with native bf16; without it every stage
     # runs in fp32, several times slower (README, Set-up).
     where = "on this machine" if hardware.fast_bf16 else "on a 2-core AMX-bf16 CPU, longer here in fp32"
