@@ -25,6 +25,7 @@ from specdraft.data.target import Target
 from specdraft.eval.baselines import load_draft_model
 from specdraft.eval.bench import BenchDirError, run_benchmark
 from specdraft.eval.decode import Typical
+from specdraft.eval.kernels import pack_linear_weights
 from specdraft.eval.load import load_head
 from specdraft.eval.methods import build_method
 from specdraft.eval.sampling import Sampling
@@ -55,6 +56,8 @@ def _main(cfg: DictConfig, command: str) -> None:
 def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
     start(command, cfg.threads, cfg.target)
     target: Target = instantiate(cfg.target)
+    if cfg.packed_weights:
+        log.info("target linear layers pre-packed for oneDNN: %d", pack_linear_weights(target.model))
     questions = instantiate(cfg.prompts)
     if not questions:
         raise ValueError(f"prompts {cfg.prompts}: no questions")

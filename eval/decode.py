@@ -102,6 +102,7 @@ def plain_generate(
 ) -> Generation:
     """Token-by-token decoding on the same runner (the speedup baseline)."""
     _check_budget(runner, prompt_ids, max_new_tokens, 0)
+    runner.reserve(len(prompt_ids) + max_new_tokens)
     device = runner.target.device
     start = _sync(device)
     output = runner.prefill(prompt_ids)
@@ -129,6 +130,7 @@ def speculative_generate(
 ) -> Generation:
     """Speculative decoding of one prompt; lossless unless ``typical`` is given."""
     _check_budget(runner, prompt_ids, max_new_tokens, drafter.max_depth)
+    runner.reserve(len(prompt_ids) + max_new_tokens + drafter.max_depth + 1)
     device = runner.target.device
     start = _sync(device)
     output = runner.prefill(prompt_ids)

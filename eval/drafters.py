@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from specdraft.eval.runner import TargetOutput, truncate_cache
+from specdraft.eval.runner import PositionalKVCache, TargetOutput
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.trees import TreeBuffers, tree_buffers
 from specdraft.heads.eagle import EagleHead, FeatureHead
@@ -463,16 +463,21 @@ class DraftModelDrafter(Drafter):
         self.model = model
         self.vocab_size = model.get_output_embeddings().out_features
         self.to_target = torch.arange(self.vocab_size)
+        parameter = next(model.parameters())  # the cache is kept across sequences, written by position
+        self.cache = PositionalKVCache.for_model(model, parameter.dtype, parameter.device)
         self.reset()
 
     def reset(self) -> None:
         super().reset()
-        self.cache, self.fed = DynamicCache(), []
+        self.fed = []
+        self.cache.crop(0)
 
     @torch.no_grad()
     def _feed(self, tokens: list[int], contexts: list[list[int]]) -> Tensor:
         device = next(self.model.parameters()).device
         positions = torch.arange(len(self.fed), len(self.fed) + len(tokens), device=device)[None]
+        self.cache.reserve(len(self.fed) + len(tokens))
+        self.cache.write_at = len(self.fed)
         output = self.model(
             input_ids=torch.tensor([tokens], device=device),
             position_ids=positions,
@@ -480,8 +485,8 @@ class DraftModelDrafter(Drafter):
             use_cache=True,
             logits_to_keep=1,
         )
-        self.cache = output.past_key_values
         self.fed.extend(tokens)
+        self.cache.write_at = len(self.fed)
         log_probs = output.logits[0, -1:].float().log_softmax(-1).cpu()
         return self._filtered(contexts, 0, log_probs, self.to_target)[0]
 
@@ -493,7 +498,7 @@ class DraftModelDrafter(Drafter):
                 break
             common += 1
         common = min(common, len(sequence) - 1)  # always feed at least the root
-        truncate_cache(self.cache, common)
+        self.cache.crop(common)
         self.fed = self.fed[:common]
         growth = _Growth([_Node(root, -1, 0, ())])
         first = self._feed(sequence[common:], [sequence] if self.score_filter else [])

@@ -1,13 +1,21 @@
-"""The frozen HF target as a decoder sees it: prefill, tree verification, KV compaction.
+"""The frozen HF target as a decoder sees it: prefill, tree verification, acceptance.
 
-Tree verification runs every drafted node in ONE forward: positions = committed length + node
-depth, and a custom 4D mask lets each node see the committed past plus its own ancestors (no
-copied modeling code: transformers uses a 4D mask as given). After acceptance, the KV cache
-keeps the committed past plus the accepted nodes, in path order.
+Built like gpt-fast, without copying modeling code:
 
-The runner also hands out what draft heads read from the target: the last hidden state (after
-the final norm) and, for EAGLE-3, the aux layers (captured with forward pre-hooks, the same
-convention as feature extraction: id i = the stream entering decoder layer i).
+* the KV cache (:class:`PositionalKVCache`, a transformers ``Cache``) is ONE tensor for every
+  layer's keys and values, allocated once and reused across sequences; a forward writes its n
+  new entries at positions ``length .. length+n`` and attends over the prefix view — nothing is
+  concatenated, nothing is freed;
+* tree verification runs every drafted node in one forward: positions = committed length + node
+  depth, and a 4D additive mask (transformers uses a 4D mask as given) lets each node see the
+  committed past plus its own ancestors. The mask lives in a preallocated buffer: only the tree's
+  n×n block is written per step, and cleared after;
+* acceptance moves the accepted nodes' entries next to the committed past with ONE gather/copy
+  over all layers, keys and values (none when the accepted nodes are a prefix of the tree); the
+  rejected entries are simply overwritten by the next forward;
+* EAGLE-3's aux layers come from transformers' own output recording (``output_hidden_states``
+  with the selected indices; its hooks are installed once per model), the same convention as
+  feature extraction: id i = the stream entering decoder layer i.
 """
 
 from __future__ import annotations
@@ -17,10 +25,91 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdraft.data.target import Target
 from specdraft.eval.trees import TreeBuffers
+
+# The cache grows in steps of this many positions when a sequence outgrows it (a reallocation and
+# one copy; a bench run sizes it once for its longest prompt).
+CAPACITY_STEP = 256
+
+
+class _PositionalLayer(CacheLayerMixin):
+    """One layer's view of a :class:`PositionalKVCache`: writes at the cache's cursor."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, cache: PositionalKVCache, index: int) -> None:
+        super().__init__()
+        self.cache, self.index = cache, index
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        pass  # the storage is preallocated by the cache
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        start = self.cache.write_at
+        end = start + key_states.shape[-2]
+        keys, values = self.cache.storage[0, self.index], self.cache.storage[1, self.index]
+        keys[:, :, start:end].copy_(key_states)
+        values[:, :, start:end].copy_(value_states)
+        return keys[:, :, :end], values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.write_at + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.write_at
+
+    def get_max_length(self) -> int:
+        return self.cache.capacity
+
+
+class PositionalKVCache(Cache):
+    """Keys and values of every layer in one preallocated tensor, written by position.
+
+    ``storage``: 2 × layers × 1 × kv_heads × capacity × head_dim (keys, then values). A forward
+    writes its entries at ``write_at``; positions at or after ``write_at`` hold nothing that will
+    be read (attention only sees ``:write_at + n``), so dropping entries is moving the cursor."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        self.shape = (num_layers, kv_heads, head_dim)
+        self.storage = torch.zeros(2, num_layers, 1, kv_heads, 0, head_dim, dtype=dtype, device=device)
+        self.write_at = 0
+        super().__init__(layers=[_PositionalLayer(self, i) for i in range(num_layers)])
+
+    @classmethod
+    def for_model(cls, model, dtype: torch.dtype, device) -> PositionalKVCache:
+        config = model.config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(config.num_hidden_layers, kv_heads, head_dim, dtype, device)
+
+    @property
+    def capacity(self) -> int:
+        return self.storage.shape[-2]
+
+    def reserve(self, length: int) -> None:
+        """Make room for ``length`` positions (the entries before ``write_at`` are kept)."""
+        if length <= self.capacity:
+            return
+        capacity = -(-length // CAPACITY_STEP) * CAPACITY_STEP
+        grown = self.storage.new_zeros(*self.storage.shape[:-2], capacity, self.storage.shape[-1])
+        grown[..., : self.write_at, :] = self.storage[..., : self.write_at, :]
+        self.storage = grown
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions."""
+        self.write_at = min(self.write_at, length)
+
+    def move(self, source: Tensor, destination: int) -> None:
+        """Copy the entries at positions ``source`` (k int64, increasing) to ``destination ..
+        destination+k``, every layer's keys and values in one gather/copy."""
+        k = len(source)
+        self.storage[..., destination : destination + k, :] = self.storage.index_select(-2, source)
 
 
 @dataclass(frozen=True)
@@ -39,59 +128,56 @@ class TargetOutput:
 
 
 class TargetRunner:
-    """One sequence (batch 1) on the frozen target with a KV cache.
+    """One sequence (batch 1) on the frozen target with a positional KV cache.
 
-    ``length`` counts the tokens in the cache. The decoder's newest token (the "root": sampled
-    from the last logits, not yet run) is always outside the cache and is node 0 of the next
-    verification.
+    ``length`` counts the committed tokens. The decoder's newest token (the "root": sampled from
+    the last logits, not yet run) is always outside the cache and is node 0 of the next
+    verification. The cache and the mask buffer are kept between sequences.
     """
 
     def __init__(self, target: Target, aux_layer_ids: Sequence[int] = ()) -> None:
         self.target, self.model = target, target.model
         self.aux_layer_ids = tuple(aux_layer_ids)
-        layers = self.model.get_decoder().layers
+        num_layers = len(self.model.get_decoder().layers)
         for layer_id in self.aux_layer_ids:
-            if not 0 <= layer_id < len(layers):
-                raise ValueError(f"aux layer id {layer_id} out of range 0..{len(layers) - 1}")
-        self.cache: DynamicCache | None = None
+            if not 0 <= layer_id < num_layers:
+                raise ValueError(f"aux layer id {layer_id} out of range 0..{num_layers - 1}")
+        self.device, self.dtype = target.device, target.dtype
+        self.cache = PositionalKVCache.for_model(self.model, self.dtype, self.device)
+        # Additive tree mask rows × capacity: 0 everywhere except the current tree's block.
+        self._bias = torch.zeros(0, 0, dtype=self.dtype, device=self.device)
+        self._masked = torch.finfo(self.dtype).min
         self.length = 0
         self._pending = 0  # verified tokens in the cache that are not committed yet
 
+    def reserve(self, length: int) -> None:
+        """Make room for a sequence of ``length`` tokens (prompt + new tokens + draft depth)."""
+        self.cache.reserve(length)
+
     @torch.no_grad()
     def _forward(self, input_ids: Tensor, positions: Tensor, mask: Tensor | None) -> TargetOutput:
-        decoder = self.model.get_decoder()
-        captured: dict[int, Tensor] = {}
-
-        def capture(layer_id: int):
-            def hook(module, args, kwargs):
-                captured[layer_id] = (args[0] if args else kwargs["hidden_states"])[0]
-
-            return hook
-
-        handles = [
-            decoder.layers[i].register_forward_pre_hook(capture(i), with_kwargs=True)
-            for i in self.aux_layer_ids
-        ]
-        try:
-            output = decoder(
-                input_ids=input_ids.unsqueeze(0).to(self.target.device),
-                position_ids=positions.unsqueeze(0).to(self.target.device),
-                attention_mask=mask,
-                past_key_values=self.cache,
-                use_cache=True,
-            )
-        finally:
-            for handle in handles:
-                handle.remove()
-        self.cache = output.past_key_values
+        n = len(input_ids)
+        self.cache.reserve(self.length + n)
+        self.cache.write_at = self.length
+        output = self.model.get_decoder()(
+            input_ids=input_ids.to(self.device)[None],
+            position_ids=positions.to(self.device)[None],
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=list(self.aux_layer_ids) if self.aux_layer_ids else False,
+        )
+        self.cache.write_at = self.length + n
         hidden = output.last_hidden_state[0]
         logits = self.model.get_output_embeddings()(hidden)  # target dtype: fp32 copies cost ms per tree
-        aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1) if self.aux_layer_ids else None
+        aux = None
+        if self.aux_layer_ids:
+            aux = torch.cat([output.hidden_states[i][0] for i in self.aux_layer_ids], dim=-1)
         return TargetOutput(logits, hidden, aux)
 
     def prefill(self, input_ids: Tensor) -> TargetOutput:
-        """Reset and run the prompt (n tokens, causal); they are committed at once."""
-        self.cache, self.length, self._pending = DynamicCache(), 0, 0
+        """Start a sequence: run the prompt (n tokens, causal); they are committed at once."""
+        self.length, self._pending = 0, 0
         output = self._forward(input_ids, torch.arange(len(input_ids)), None)
         self.length = len(input_ids)
         return output
@@ -99,7 +185,7 @@ class TargetRunner:
     def extend(self, input_ids: Tensor) -> TargetOutput:
         """Run n more tokens causally after the committed past and commit them (plain decoding
         is ``extend`` of one token; a new chat turn is ``extend`` of the turn's tokens)."""
-        self._drop_pending()
+        self._pending = 0  # uncommitted entries are overwritten
         output = self._forward(input_ids, self.length + torch.arange(len(input_ids)), None)
         self.length += len(input_ids)
         return output
@@ -107,48 +193,33 @@ class TargetRunner:
     def verify(self, node_tokens: Tensor, tree: TreeBuffers) -> TargetOutput:
         """Run the n tree nodes (node 0 = the root) after the committed past. They stay in the
         cache, uncommitted, until :meth:`commit`."""
-        self._drop_pending()
-        dtype = self.target.dtype
-        bias = tree.attention_bias(self.length, dtype=torch.float32)
-        mask = bias.clamp(min=torch.finfo(dtype).min).to(dtype)[None, None].to(self.target.device)
-        output = self._forward(node_tokens, self.length + tree.depths, mask)
-        self._pending = len(node_tokens)
+        n, past = len(node_tokens), self.length
+        self._pending = 0
+        self._reserve_bias(n, past + n)
+        block = self._bias[:n, past : past + n]
+        block.masked_fill_(~tree.attention_mask.to(self.device, non_blocking=True), self._masked)
+        try:
+            output = self._forward(node_tokens, past + tree.depths, self._bias[None, None, :n, : past + n])
+        finally:
+            block.zero_()  # these columns are the next step's committed past
+        self._pending = n
         return output
 
-    def commit(self, nodes: list[int]) -> None:
+    def _reserve_bias(self, rows: int, columns: int) -> None:
+        have_rows, have_columns = self._bias.shape
+        if rows > have_rows or columns > have_columns:
+            columns = max(columns, self.cache.capacity)
+            self._bias = torch.zeros(max(rows, have_rows), columns, dtype=self.dtype, device=self.device)
+
+    def commit(self, nodes: Sequence[int] | Tensor) -> None:
         """Keep the committed past plus ``nodes`` (indices into the last verified tree, root
-        first, in path order); drop every other verified node from the cache."""
+        first, in path order); every other verified entry is dropped (overwritten later)."""
         if not self._pending:
             raise RuntimeError("TargetRunner.commit: nothing verified since the last commit")
-        if nodes != list(range(len(nodes))):  # a prefix of the verified nodes needs no move
-            # Move the accepted nodes' K/V right after the committed past (only those rows are
-            # copied; the committed past stays where it is), then cut the rest off.
-            source = self.length + torch.tensor(nodes, dtype=torch.long, device=self.target.device)
-            destination = slice(self.length, self.length + len(nodes))
-            for layer in _plain_layers(self.cache):
-                layer.keys[:, :, destination] = layer.keys[:, :, source]
-                layer.values[:, :, destination] = layer.values[:, :, source]
-        self._drop_pending(keep=len(nodes))
-
-    def _drop_pending(self, keep: int = 0) -> None:
-        """Commit the first ``keep`` pending positions and drop the rest from the cache."""
-        if self._pending:
-            self.length += keep
-            if self._pending > keep:
-                truncate_cache(self.cache, self.length)
-            self._pending = 0
-
-
-def _plain_layers(cache: DynamicCache):
-    for layer in cache.layers:
-        if hasattr(layer, "cumulative_length"):  # sliding-window layers keep a running count
-            raise NotImplementedError(f"KV compaction of {type(layer).__name__} caches is not supported")
-        if layer.keys is not None:
-            yield layer
-
-
-def truncate_cache(cache: DynamicCache, length: int) -> None:
-    """Keep the first ``length`` positions of every layer's keys and values (a view, no copy)."""
-    for layer in _plain_layers(cache):
-        layer.keys = layer.keys[:, :, :length]
-        layer.values = layer.values[:, :, :length]
+        nodes = torch.as_tensor(nodes, dtype=torch.long)
+        count = len(nodes)
+        if not torch.equal(nodes, torch.arange(count)):  # a prefix of the tree needs no move
+            self.cache.move(self.length + nodes.to(self.device), self.length)
+        self.length += count
+        self.cache.write_at = self.length
+        self._pending = 0

@@ -1,0 +1,50 @@
+"""Pre-packed linear weights (eval/kernels.py): the same outputs, the same module, and plain
+PyTorch wherever a gradient is needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from specdraft.data.target import target_weights
+from specdraft.data.tiny import tiny_random_target
+from specdraft.eval.decode import plain_generate, speculative_generate
+from specdraft.eval.drafters import DynamicTree, FeatureHeadDrafter
+from specdraft.eval.kernels import PackedLinear, pack_linear_weights
+from specdraft.eval.runner import TargetRunner
+from specdraft.eval.sampling import Sampling
+from specdraft.heads.registry import build_head
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+
+
+def test_packed_linear_matches_and_keeps_the_module():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 96), nn.SiLU(), nn.Linear(96, 300, bias=False))
+    weight = model[2].weight
+    keys = set(model.state_dict())
+    x = torch.randn(3, 5, 48)
+    with torch.no_grad():
+        expected = model(x)
+    assert pack_linear_weights(model) == 2
+    assert isinstance(model[0], PackedLinear) and model[2].weight is weight
+    assert set(model.state_dict()) == keys  # the packed copy is not a parameter or buffer
+    with torch.no_grad():
+        # any number of rows, any leading shape
+        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(x[:, :1]), expected[:, :1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(x[0, 0]), expected[0, 0], rtol=1e-5, atol=1e-5)
+    model(x).sum().backward()  # with grad enabled: the plain nn.Linear path, gradients flow
+    assert weight.grad is not None and weight.grad.abs().sum() > 0
+
+
+def test_greedy_speculative_equals_plain_on_a_packed_target():
+    target = tiny_random_target(seed=0)
+    assert pack_linear_weights(target.model) > 0
+    prompt = torch.randint(3, target.spec.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
+    expected = plain_generate(TargetRunner(target), prompt, 24, Sampling(), ()).tokens
+    torch.manual_seed(1)
+    head = build_head("eagle", {}, target.spec, target_weights(target)).eval()
+    drafter = FeatureHeadDrafter(head, DynamicTree(depth=3, top_k=3, total_tokens=8))
+    assert speculative_generate(TargetRunner(target), drafter, prompt, 24, Sampling(), ()).tokens == expected
