@@ -20,16 +20,17 @@ import torch
 from torch import Tensor
 
 
-def greedy_accept(candidates: Tensor, target_argmax: Tensor) -> tuple[int, int]:
+def greedy_accept(candidates: Tensor, target_argmax: Tensor) -> tuple[Tensor, Tensor]:
     """candidates L×D (drafted tokens along each root-to-leaf path, −1 padded), target_argmax
     L×(D+1) (the target's argmax at each node of the path, the root first).
 
-    Returns (best path row, number of accepted drafts); the committed tokens are
-    candidates[row, :n] followed by target_argmax[row, n]."""
+    Returns (best path row, number of accepted drafts) as 0-dim tensors on the inputs' device
+    (no host sync); the committed tokens are candidates[row, :n] followed by
+    target_argmax[row, n]."""
     matches = (candidates == target_argmax[:, :-1]).long().cumprod(dim=1)
     accepted = matches.sum(dim=1)
-    row = int(accepted.argmax())
-    return row, int(accepted[row])
+    row = accepted.argmax()
+    return row, accepted[row]
 
 
 def _sample(probs: Tensor, generator: torch.Generator | None) -> int:

@@ -184,13 +184,14 @@ def _accept(
             generator,
         )
         return [0, *accepted], next_token
-    if sampling.greedy:
-        retrieve = tree.retrieve_indices
-        argmax = greedy_tokens(logits).cpu()
-        candidates = torch.where(retrieve[:, 1:] >= 0, draft.tokens[retrieve[:, 1:].clamp(min=0)], -1)
-        row, count = greedy_accept(candidates, argmax[retrieve.clamp(min=0)])
-        nodes = retrieve[row, : count + 1].tolist()
-        return nodes, int(argmax[nodes[-1]])
+    if sampling.greedy:  # on the logits' device; one host transfer per step
+        retrieve = tree.retrieve_indices.to(logits.device)
+        tokens = draft.tokens.to(logits.device)
+        path_argmax = greedy_tokens(logits)[retrieve.clamp(min=0)]
+        candidates = torch.where(retrieve[:, 1:] >= 0, tokens[retrieve[:, 1:].clamp(min=0)], -1)
+        row, count = greedy_accept(candidates, path_argmax)
+        found = torch.cat([retrieve[row], count[None], path_argmax[row, count][None]]).tolist()
+        return found[: found[-2] + 1], found[-1]
     probs = sampling.probs(logits).cpu()
     if draft.draft_probs is not None:  # a sampled chain: nodes 0..D in order
         count, next_token = speculative_sample_chain(draft.tokens[1:], draft.draft_probs, probs, generator)

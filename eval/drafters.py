@@ -24,13 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from specdraft.eval.runner import PositionalKVCache, TargetOutput
+from specdraft.eval.kernels import pack_linear_weights
+from specdraft.eval.runner import CAPACITY_STEP, PositionalKVCache, TargetOutput
 from specdraft.eval.sampling import Sampling
-from specdraft.eval.trees import TreeBuffers, tree_buffers
+from specdraft.eval.trees import TreeBuffers, tree_buffers, tree_from_ancestors
 from specdraft.heads.eagle import EagleHead, FeatureHead
 from specdraft.heads.layers import causal_mask
 from specdraft.heads.medusa import MedusaHead
@@ -183,7 +183,8 @@ class Drafter:
         vocab = self.vocab_size
         rows = []
         for context, row in zip(contexts, log_probs, strict=False):
-            full = torch.full((vocab,), float("-inf"), dtype=row.dtype).index_copy(0, to_target, row)
+            full = torch.full((vocab,), float("-inf"), dtype=row.dtype, device=row.device)
+            full = full.index_copy(0, to_target, row)
             rows.append(self.score_filter(context, ahead, full)[to_target])
         return torch.stack(rows).log_softmax(-1)
 
@@ -213,7 +214,7 @@ class Drafter:
             cumulative *= chosen_prob
             node = growth.add(int(to_target[index]), node, 0, 0.0)
             if q is not None:
-                probs.append(torch.zeros(self.vocab_size).index_copy_(0, to_target, q))
+                probs.append(torch.zeros(self.vocab_size, device=q.device).index_copy_(0, to_target, q))
             if d < depth:
                 log_probs = step(node)
         result = growth.draft(list(range(1, len(growth.nodes))), self._memoised_tree)
@@ -224,7 +225,11 @@ class Drafter:
 class FeatureHeadDrafter(Drafter):
     """EAGLE-1/2 and EAGLE-3 heads. The head's KV cache holds one entry per committed position,
     computed from the TARGET's features (the accepted path's features are fed back after every
-    verification); tree nodes get temporary entries that live for one drafting round."""
+    verification); tree nodes get entries after the committed ones that live for one drafting
+    round (the next commit overwrites them). The cache is one preallocated tensor written by
+    position, and the dynamic tree (EAGLE-2) is grown on tensors: per depth one head step over
+    the frontier, a top-k, a global top-k; no Python loop over nodes, nothing copied to the
+    host."""
 
     def __init__(
         self,
@@ -239,11 +244,9 @@ class FeatureHeadDrafter(Drafter):
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
         self.vocab_size = head.spec.vocab_size
-        self.shortlist_weight: Tensor | None = None
+        self.shortlist: nn.Linear | None = None
         if vocab_shortlist is None:
-            self.to_target = head.draft_to_target(
-                torch.arange(head.draft_vocab_size, device=self.device)
-            ).cpu()
+            self.to_target = head.draft_to_target(torch.arange(head.draft_vocab_size, device=self.device))
         else:
             # FR-Spec-style drafting over the most frequent tokens only: the frozen lm_head is
             # the largest matmul of a drafting step, and verification keeps the output exact.
@@ -254,13 +257,44 @@ class FeatureHeadDrafter(Drafter):
             ids = vocab_shortlist.long().unique().cpu()
             if ids.numel() == 0 or ids[0] < 0 or ids[-1] >= self.vocab_size:
                 raise ValueError(f"vocab_shortlist: ids must lie in 0..{self.vocab_size - 1}")
-            self.to_target = ids
-            self.shortlist_weight = head.target_lm_head[ids.to(self.device)].to(self.dtype).contiguous()
+            self.to_target = ids.to(self.device)
+            weight = head.target_lm_head[self.to_target].to(self.dtype).contiguous()
+            self.shortlist = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=self.device)
+            self.shortlist.weight = nn.Parameter(weight, requires_grad=False)
+            pack_linear_weights(self.shortlist)  # a few rows per step: the packed kernel (eval/kernels.py)
+        spec = head.spec
+        self.kv = torch.zeros(2, 1, spec.num_kv_heads, 0, spec.head_dim, dtype=self.dtype, device=self.device)
+        self._bias = torch.zeros(0, 0, dtype=self.dtype, device=self.device)
+        self._slots = 0  # draft entries written after the committed ones this round
         self.reset()
+
+    @property
+    def _max_slots(self) -> int:
+        """Draft entries one round writes at most (one per expanded node)."""
+        shape = self.shape
+        if isinstance(shape, DynamicTree):
+            return (shape.depth - 1) * shape.top_k
+        return len(shape.paths) if isinstance(shape, StaticTree) else shape.depth
+
+    def _reserve(self, length: int) -> None:
+        if length > self.kv.shape[-2]:
+            capacity = -(-length // CAPACITY_STEP) * CAPACITY_STEP
+            grown = self.kv.new_zeros(*self.kv.shape[:-2], capacity, self.kv.shape[-1])
+            grown[..., : len(self.history), :] = self.kv[..., : len(self.history), :]
+            self.kv = grown
+        if length > self._bias.shape[1] or self._bias.shape[0] < self._max_rows:
+            self._bias = torch.zeros(self._max_rows, self.kv.shape[-2], dtype=self.dtype, device=self.device)
+
+    @property
+    def _max_rows(self) -> int:
+        """Nodes one head step expands at most."""
+        shape = self.shape
+        if isinstance(shape, DynamicTree):
+            return shape.top_k
+        return len(shape.paths) if isinstance(shape, StaticTree) else 1
 
     def reset(self) -> None:
         super().reset()
-        self.past_key = self.past_value = None
         self.root_output: Tensor | None = None  # 1×1×H, the head's output at the last committed position
         self.root_log_probs: Tensor | None = None  # V', candidates for depth 1
         self._next_root: int | None = None  # the root the last commit announced
@@ -268,74 +302,87 @@ class FeatureHeadDrafter(Drafter):
     @torch.no_grad()
     def commit(self, tokens: list[int], target: TargetOutput, next_token: int) -> None:
         past, count = len(self.history), len(tokens)
+        self._reserve(past + count + self._max_slots)
         aux = None if target.aux is None else target.aux.to(self.device, self.dtype)[None]
         features = self.head.initial_features(target.hidden.to(self.device, self.dtype)[None], aux)
         following = torch.tensor([*tokens[1:], next_token], device=self.device)[None]
         positions = torch.arange(past, past + count, device=self.device)[None]
         mask = causal_mask(count, self.device, past).to(self.dtype)
         output, key, value = self.head.step(
-            features, following, positions, mask, self.past_key, self.past_value
+            features, following, positions, mask, self.kv[0][..., :past, :], self.kv[1][..., :past, :]
         )
-        self.past_key = key if self.past_key is None else torch.cat([self.past_key, key], dim=2)
-        self.past_value = value if self.past_value is None else torch.cat([self.past_value, value], dim=2)
+        self.kv[0][..., past : past + count, :] = key
+        self.kv[1][..., past : past + count, :] = value
         super().commit(tokens, target, next_token)
         self.root_output = output[:, -1:]
         self._next_root = next_token
         self.root_log_probs = self._log_probs(self.root_output[0], [[*self.history, next_token]])[0]
 
     def _log_probs(self, outputs: Tensor, contexts: list[list[int]]) -> Tensor:
-        if self.shortlist_weight is None:
-            logits = self.head.logits(outputs)
-        else:
-            logits = F.linear(outputs, self.shortlist_weight)
-        log_probs = logits.float().log_softmax(-1).cpu()
-        return self._filtered(contexts, 0, log_probs, self.to_target)
+        logits = self.head.logits(outputs) if self.shortlist is None else self.shortlist(outputs)
+        return self._filtered(contexts, 0, logits.float().log_softmax(-1), self.to_target)
+
+    def _expand(
+        self, features: Tensor, tokens: Tensor, depth: int, ancestors: Tensor, contexts: list[list[int]]
+    ) -> tuple[Tensor, Tensor]:
+        """One head step over n same-depth tree nodes: their draft log-probs n×V' and outputs
+        1×n×H. features 1×n×H (their parents' outputs), tokens n, ancestors n×S bool (which of
+        this round's S earlier draft entries each node sees). Their entries are written next."""
+        n, past, slots = len(tokens), len(self.history), self._slots
+        end = past + slots + n
+        block = self._bias[:n, past:end]
+        allowed = torch.cat([ancestors, torch.eye(n, dtype=torch.bool, device=self.device)], dim=1)
+        block.masked_fill_(~allowed, float("-inf"))
+        positions = torch.full((1, n), past - 1 + depth, device=self.device)
+        out, key, value = self.head.step(
+            features,
+            tokens[None],
+            positions,
+            self._bias[:n, :end],
+            self.kv[0][..., : end - n, :],
+            self.kv[1][..., : end - n, :],
+        )
+        block.zero_()  # the buffer stays all-attend outside the block being used
+        self.kv[0][..., end - n : end, :] = key
+        self.kv[1][..., end - n : end, :] = value
+        self._slots += n
+        return self._log_probs(out[0], contexts), out
 
     @torch.no_grad()
     def draft(self, root: int, sampling: Sampling, generator: torch.Generator | None = None) -> Draft:
         if self._next_root is None or root != self._next_root:
             raise ValueError(f"draft(root={root}) but the last commit announced root {self._next_root}")
+        self._slots = 0
+        if isinstance(self.shape, DynamicTree):
+            return self._dynamic(root, self.shape)
         growth = _Growth([_Node(root, -1, 0, ())])
         outputs = {0: self.root_output}
-        expanded: list[tuple[Tensor, Tensor]] = []  # temporary K/V of expanded non-root nodes
-        ancestors_of = {0: []}
+        slot_of: dict[int, int] = {}  # expanded node -> its draft entry
 
         def expand(nodes: list[int]) -> Tensor:
             """One head step over same-depth ``nodes``: their log-probs n×V'."""
-            depth = growth.nodes[nodes[0]].depth
-            past = len(self.history)
+            ancestors = torch.zeros(len(nodes), self._slots, dtype=torch.bool)
+            for i, node in enumerate(nodes):
+                up = growth.nodes[node].parent
+                while up > 0:
+                    ancestors[i, slot_of[up]] = True
+                    up = growth.nodes[up].parent
             features = torch.cat([outputs[growth.nodes[n].parent] for n in nodes], dim=1)
-            token_ids = torch.tensor([[growth.nodes[n].token for n in nodes]], device=self.device)
-            positions = torch.full((1, len(nodes)), past - 1 + depth, device=self.device)
-            slot = {n: i for i, (n, _) in enumerate(expanded)}
-            allowed = torch.zeros(len(nodes), past + len(slot) + len(nodes), dtype=torch.bool)
-            allowed[:, :past] = True
-            for i, n in enumerate(nodes):
-                parent = growth.nodes[n].parent
-                ancestors_of[n] = ancestors_of[parent] + ([parent] if parent > 0 else [])
-                for a in ancestors_of[n]:
-                    allowed[i, past + slot[a]] = True
-                allowed[i, past + len(slot) + i] = True
-            mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, float("-inf"))
-            past_key = torch.cat([self.past_key, *(k for _, (k, _) in expanded)], dim=2)
-            past_value = torch.cat([self.past_value, *(v for _, (_, v) in expanded)], dim=2)
-            out, key, value = self.head.step(
-                features, token_ids, positions, mask.to(self.device), past_key, past_value
+            tokens = torch.tensor([growth.nodes[n].token for n in nodes], device=self.device)
+            contexts = [growth.context(self.history, n) for n in nodes] if self.score_filter else []
+            first = self._slots
+            log_probs, out = self._expand(
+                features, tokens, growth.nodes[nodes[0]].depth, ancestors.to(self.device), contexts
             )
             for i, n in enumerate(nodes):
-                outputs[n] = out[:, i : i + 1]
-                expanded.append((n, (key[:, :, i : i + 1], value[:, :, i : i + 1])))
-            contexts = [growth.context(self.history, n) for n in nodes] if self.score_filter else []
-            return self._log_probs(out[0], contexts)
+                outputs[n], slot_of[n] = out[:, i : i + 1], first + i
+            return log_probs
 
-        shape = self.shape
-        if isinstance(shape, Chain):
+        if isinstance(self.shape, Chain):
             return self._chain(
                 growth, self.root_log_probs, lambda n: expand([n])[0], self.to_target, sampling, generator
             )
-        if isinstance(shape, StaticTree):
-            return self._static(growth, shape, expand)
-        return self._dynamic(growth, shape, expand)
+        return self._static(growth, self.shape, expand)
 
     def _static(self, growth: _Growth, shape: StaticTree, expand: Callable[[list[int]], Tensor]) -> Draft:
         tree = self._memoised_tree(tuple(sorted(shape.paths, key=lambda p: (len(p), p))))
@@ -359,29 +406,52 @@ class FeatureHeadDrafter(Drafter):
                         by_path[(*parent_path, rank)] = node
         return growth.draft(list(range(1, len(growth.nodes))), self._memoised_tree)
 
-    def _dynamic(self, growth: _Growth, shape: DynamicTree, expand: Callable[[list[int]], Tensor]) -> Draft:
-        top = self.root_log_probs.topk(shape.top_k)
-        frontier = [
-            growth.add(int(self.to_target[i]), 0, rank, s)
-            for rank, (s, i) in enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=False))
-        ]
-        for _ in range(2, shape.depth + 1):
-            log_probs = expand(frontier)
-            top = log_probs.topk(shape.top_k, dim=-1)
-            parent_scores = torch.tensor([growth.nodes[n].score for n in frontier])
-            scores = parent_scores[:, None] + top.values  # k×k cumulative log-probs
-            children = []
-            for row, parent in enumerate(frontier):
-                for rank in range(shape.top_k):
-                    index = int(top.indices[row, rank])
-                    children.append(
-                        growth.add(int(self.to_target[index]), parent, rank, float(scores[row, rank]))
-                    )
-            best = scores.flatten().topk(min(shape.top_k, scores.numel())).indices.tolist()
-            frontier = [children[i] for i in sorted(best)]
-        # Global rerank; a stable sort keeps parents (created first, never lower-scored) ahead of children.
-        candidates = sorted(range(1, len(growth.nodes)), key=lambda n: -growth.nodes[n].score)
-        return growth.draft(sorted(candidates[: shape.total_tokens - 1]), tree_buffers)  # new shape each step
+    def _dynamic(self, root: int, shape: DynamicTree) -> Draft:
+        """EAGLE-2 on tensors. Candidates are numbered as they are created — the root, the top_k
+        depth-1 nodes, then top_k² children per depth — so a node's ancestors always come first
+        and row i of ``ancestors`` (ancestors and itself) lists node i's path in order."""
+        k, device = shape.top_k, self.device
+        count = 1 + k + (shape.depth - 1) * k * k
+        tokens = torch.empty(count, dtype=torch.long, device=device)
+        scores = torch.empty(count, dtype=torch.float32, device=device)
+        ancestors = torch.zeros(count, count, dtype=torch.bool, device=device)
+        tokens[0], scores[0], ancestors[0, 0] = root, 0.0, True
+        top = self.root_log_probs.topk(k)
+        frontier = torch.arange(1, k + 1, device=device)
+        tokens[frontier], scores[frontier] = self.to_target[top.indices], top.values
+        ancestors[frontier, 0] = True
+        ancestors[frontier, frontier] = True
+        features = self.root_output.expand(1, k, -1)
+        frontier_sees = torch.zeros(k, 0, dtype=torch.bool, device=device)  # earlier draft entries
+        created = 1 + k
+        for depth in range(1, shape.depth):
+            contexts = (
+                [[*self.history, *tokens[ancestors[n]].tolist()] for n in frontier.tolist()]
+                if self.score_filter
+                else []
+            )
+            log_probs, out = self._expand(features, tokens[frontier], depth, frontier_sees, contexts)
+            top = log_probs.topk(k, dim=-1)  # k×k: each frontier node's best children
+            child_scores = (scores[frontier, None] + top.values).flatten()
+            children = torch.arange(created, created + k * k, device=device)
+            created += k * k
+            tokens[children] = self.to_target[top.indices.flatten()]
+            scores[children] = child_scores
+            ancestors[children] = ancestors[frontier].repeat_interleave(k, dim=0)
+            ancestors[children, children] = True
+            # The next frontier: the k best children overall, in creation order.
+            best = child_scores.topk(k).indices.sort().values
+            parent_row = best // k
+            frontier = children[best]
+            features = out[:, parent_row]
+            own_entries = torch.eye(k, dtype=torch.bool, device=device)[parent_row]
+            frontier_sees = torch.cat([frontier_sees[parent_row], own_entries], dim=1)
+        # Global rerank: the total_tokens − 1 best candidates. A stable sort keeps a parent
+        # (created first, never lower-scored) ahead of its children, so the kept set is a tree.
+        keep = min(shape.total_tokens - 1, created - 1)
+        order = torch.sort(scores[1:created], descending=True, stable=True).indices[:keep] + 1
+        nodes = torch.cat([torch.zeros(1, dtype=torch.long, device=device), order.sort().values])
+        return Draft(tokens[nodes], tree_from_ancestors(ancestors[nodes][:, nodes]))
 
 
 class MedusaDrafter(Drafter):

@@ -20,14 +20,15 @@ from torch import Tensor
 class TreeBuffers:
     """For a tree of n = 1 + len(paths) nodes, L leaves and depth D:
 
-    paths            the node paths in node order (node i+1 has paths[i]; the root is ())
+    paths            the node paths in node order (node i+1 has paths[i]; the root is ()), for
+                     trees built from paths; None for trees grown on tensors (dynamic trees)
     parents          n int64, parent node of each node (−1 for the root)
     depths           n int64, depth of each node (root 0): its position offset after the root
     attention_mask   n×n bool, True where node i may attend node j (its ancestors and itself)
     retrieve_indices L×(D+1) int64, the nodes of each root-to-leaf path, −1 padded
     """
 
-    paths: tuple[tuple[int, ...], ...]
+    paths: tuple[tuple[int, ...], ...] | None
     parents: Tensor
     depths: Tensor
     attention_mask: Tensor
@@ -35,14 +36,7 @@ class TreeBuffers:
 
     @property
     def num_nodes(self) -> int:
-        return len(self.paths) + 1
-
-    def attention_bias(self, past_length: int, dtype: torch.dtype = torch.float32) -> Tensor:
-        """Additive mask n×(past_length+n): every node sees the whole committed past, and among
-        the new nodes only its ancestors and itself (0 = attend, −inf = masked)."""
-        n = self.num_nodes
-        allowed = torch.cat([torch.ones(n, past_length, dtype=torch.bool), self.attention_mask], dim=1)
-        return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, float("-inf"))
+        return len(self.parents)
 
 
 def chain_paths(depth: int) -> list[tuple[int, ...]]:
@@ -79,6 +73,28 @@ def tree_buffers(paths: Sequence[Sequence[int]]) -> TreeBuffers:
     for row, leaf in enumerate(leaves):
         retrieve[row, : len(leaf) + 1] = torch.tensor([index[leaf[:d]] for d in range(len(leaf) + 1)])
     return TreeBuffers(tuple(ordered), parents, depths, mask, retrieve)
+
+
+def tree_from_ancestors(ancestors: Tensor) -> TreeBuffers:
+    """Buffers of a tree given as its ancestor matrix (n×n bool, node i's row marks its ancestors
+    and itself; node 0 is the root and every node's ancestors come before it), on its device, in
+    a few tensor ops: what a drafter growing a tree on tensors hands to verification."""
+    n = len(ancestors)
+    depths = ancestors.sum(-1) - 1
+    # The parent is the deepest proper ancestor: the last one, as ancestors come first.
+    proper = ancestors & ~torch.eye(n, dtype=torch.bool, device=ancestors.device)
+    order = torch.arange(n, device=ancestors.device)
+    parents = torch.where(proper.any(-1), torch.where(proper, order, -1).amax(-1), -1)
+    is_parent = torch.zeros(n, dtype=torch.bool, device=ancestors.device)
+    is_parent[parents[1:]] = True
+    leaves = (~is_parent).nonzero().flatten()  # the root alone is its own leaf
+    # Row r lists leaf r's path in node order: node j goes to column (its rank among the path).
+    on_path = ancestors[leaves]
+    columns = torch.where(on_path, on_path.cumsum(-1) - 1, n)  # column n collects the rest
+    retrieve = torch.full((len(leaves), n + 1), -1, dtype=torch.long, device=ancestors.device)
+    retrieve.scatter_(1, columns, order.expand(len(leaves), n).clone())
+    width = int(depths.max()) + 1 if n > 1 else 1
+    return TreeBuffers(None, parents, depths, ancestors, retrieve[:, :width])
 
 
 def best_static_tree(rank_accept: Sequence[Sequence[float]], num_nodes: int) -> list[tuple[int, ...]]:

@@ -17,8 +17,14 @@ CHI2_CRITICAL_DF15_P001 = 37.70  # 16 cells → 15 degrees of freedom, p = 0.001
 def test_greedy_accept_literal():
     candidates = torch.tensor([[5, 6, 7], [5, 8, -1], [9, 1, 2]])
     target_argmax = torch.tensor([[5, 6, 0, 3], [5, 8, 4, 4], [1, 1, 1, 1]])
-    assert greedy_accept(candidates, target_argmax) == (0, 2)  # commit 5, 6 then the target's 0
-    assert greedy_accept(torch.tensor([[3]]), torch.tensor([[4, 4]])) == (0, 0)  # only the target's 4
+    assert tuple(map(int, greedy_accept(candidates, target_argmax))) == (
+        0,
+        2,
+    )  # commit 5, 6 then the target's 0
+    assert tuple(map(int, greedy_accept(torch.tensor([[3]]), torch.tensor([[4, 4]])))) == (
+        0,
+        0,
+    )  # only the target's 4
 
 
 class ToyModel:

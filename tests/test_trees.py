@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.eval.trees import best_static_tree, chain_paths, tree_buffers
+from specdraft.eval.trees import best_static_tree, chain_paths, tree_buffers, tree_from_ancestors
 
 
 def test_small_tree_literal():
@@ -39,11 +39,16 @@ def test_chain_and_unbalanced_tree():
     assert tree.retrieve_indices.tolist() == [[0, 1, 3], [0, 2, -1]]
 
 
-def test_attention_bias_sees_the_past():
-    bias = tree_buffers([[0], [1]]).attention_bias(past_length=2)
-    inf = float("-inf")
-    expected = torch.tensor([[0, 0, 0, inf, inf], [0, 0, 0, 0, inf], [0, 0, 0, inf, 0]])
-    torch.testing.assert_close(bias, expected)
+def test_tree_from_ancestors_equals_the_path_built_tree():
+    tree = tree_buffers([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    grown = tree_from_ancestors(tree.attention_mask)
+    assert grown.paths is None and grown.num_nodes == tree.num_nodes
+    for field in ("parents", "depths", "attention_mask"):
+        assert torch.equal(getattr(grown, field), getattr(tree, field)), field
+    # the same root-to-leaf paths (leaves in node order here, in path order there)
+    assert sorted(grown.retrieve_indices.tolist()) == sorted(tree.retrieve_indices.tolist())
+    root_alone = tree_from_ancestors(torch.ones(1, 1, dtype=torch.bool))
+    assert root_alone.retrieve_indices.tolist() == [[0]] and root_alone.parents.tolist() == [-1]
 
 
 def test_bad_paths_are_refused():
