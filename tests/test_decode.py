@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdraft.data.features import TokenBatch, extract_features
 from specdraft.data.target import target_weights
 from specdraft.eval.decode import plain_generate, speculative_generate
 from specdraft.eval.drafters import (
@@ -24,6 +25,7 @@ from specdraft.eval.drafters import (
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.trees import best_static_tree
+from specdraft.heads.layers import causal_mask
 from specdraft.heads.registry import build_head
 from specdraft.heads.vocab import draft_vocab_from_counts
 
@@ -235,3 +237,57 @@ def test_vocab_shortlist_keeps_greedy_output_and_drafts_inside_it(tiny_target, p
     assert draft.tokens[1:].min() >= 3 and draft.tokens[1:].max() < 150
     with pytest.raises(ValueError, match="EAGLE-1/2"):
         FeatureHeadDrafter(random_head(tiny_target, "eagle3"), SHAPES["chain"], vocab_shortlist=shortlist)
+
+
+# -- drafting: every node's draft distribution is the head's, run from scratch on its path --------
+def head_from_scratch(target, head, context: list[int], committed: int) -> torch.Tensor:
+    """Draft log-probs V after ``context`` = committed tokens + [root, n_1, …, n_d]: the head
+    reads the target's features of the committed tokens (one plain target forward), then runs
+    the path's draft steps one by one with a plain causal KV cache — no tree, no masks to get
+    wrong, positions counted by hand."""
+    history, path = context[:committed], context[committed:]
+    ones = torch.ones(1, committed, dtype=torch.long)
+    features = extract_features(
+        target, TokenBatch(torch.tensor([history]), ones, ones), aux_layer_ids=target.spec.aux_layer_ids
+    )
+    with torch.no_grad():
+        level1 = head.initial_features(features.hidden, features.aux)
+        following = torch.tensor([[*history[1:], path[0]]])
+        out, keys, values = head.step(
+            level1, following, torch.arange(committed)[None], causal_mask(committed)
+        )
+        out = out[:, -1:]
+        for depth, token in enumerate(path[1:], start=1):
+            out, key, value = head.step(
+                out,
+                torch.tensor([[token]]),
+                torch.tensor([[committed - 1 + depth]]),
+                torch.zeros(1, committed + depth),
+                keys,
+                values,
+            )
+            keys, values = torch.cat([keys, key], dim=2), torch.cat([values, value], dim=2)
+        return head.logits(out[0, 0]).float().log_softmax(-1)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_every_drafted_node_scores_like_the_head_on_its_path(tiny_target, kind, shape):
+    """Greedy equality is blind to drafting bugs that only lower acceptance (a node that sees its
+    siblings, a rotary position off by one): compare every distribution the drafter scores
+    candidates with — at the root after each commit, and at every expanded tree node — with the
+    head run from scratch on that node's path."""
+    seen: list[tuple[list[int], int, torch.Tensor]] = []
+    holder = {}
+
+    def record(context: list[int], ahead: int, scores: torch.Tensor) -> torch.Tensor:
+        seen.append((list(context), len(holder["drafter"].history), scores.clone()))
+        return scores
+
+    head = random_head(tiny_target, kind)
+    drafter = holder["drafter"] = drafter_for(head, kind, SHAPES[shape], record)
+    speculative_generate(runner_for(tiny_target, kind), drafter, prompt_ids(tiny_target), 12, GREEDY, ())
+    assert len({len(context) - committed for context, committed, _ in seen}) > 1  # tree nodes, not only roots
+    for context, committed, scores in seen:
+        expected = head_from_scratch(tiny_target, head, context, committed)
+        torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-4, msg=f"context {context}")
