@@ -192,7 +192,7 @@ def _accept(
         row, count = greedy_accept(candidates, path_argmax)
         found = torch.cat([retrieve[row], count[None], path_argmax[row, count][None]]).tolist()
         return found[: found[-2] + 1], found[-1]
-    probs = sampling.probs(logits).cpu()
+    probs = sampling.probs(logits)  # on the target's device, like the generator
     if draft.draft_probs is not None:  # a sampled chain: nodes 0..D in order
         count, next_token = speculative_sample_chain(draft.tokens[1:], draft.draft_probs, probs, generator)
         return list(range(count + 1)), next_token

@@ -477,7 +477,7 @@ class MedusaDrafter(Drafter):
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
         self.vocab_size = head.spec.vocab_size
-        self.to_target = torch.arange(self.vocab_size)
+        self.to_target = torch.arange(self.vocab_size, device=self.device)
         self.reset()
 
     def reset(self) -> None:
@@ -490,7 +490,7 @@ class MedusaDrafter(Drafter):
 
     @torch.no_grad()
     def draft(self, root: int, sampling: Sampling, generator: torch.Generator | None = None) -> Draft:
-        log_probs = self.head(self.last_hidden)[:, 0].float().log_softmax(-1).cpu()  # K×V
+        log_probs = self.head(self.last_hidden)[:, 0].float().log_softmax(-1)  # K×V
         if self.score_filter is not None:
             context = [*self.history, root]
             log_probs = torch.cat(
@@ -532,8 +532,9 @@ class DraftModelDrafter(Drafter):
         super().__init__(shape, score_filter)
         self.model = model
         self.vocab_size = model.get_output_embeddings().out_features
-        self.to_target = torch.arange(self.vocab_size)
-        parameter = next(model.parameters())  # the cache is kept across sequences, written by position
+        parameter = next(model.parameters())
+        self.to_target = torch.arange(self.vocab_size, device=parameter.device)
+        # the cache is kept across sequences, written by position
         self.cache = PositionalKVCache.for_model(model, parameter.dtype, parameter.device)
         self.reset()
 
@@ -557,7 +558,7 @@ class DraftModelDrafter(Drafter):
         )
         self.fed.extend(tokens)
         self.cache.write_at = len(self.fed)
-        log_probs = output.logits[0, -1:].float().log_softmax(-1).cpu()
+        log_probs = output.logits[0, -1:].float().log_softmax(-1)
         return self._filtered(contexts, 0, log_probs, self.to_target)[0]
 
     def draft(self, root: int, sampling: Sampling, generator: torch.Generator | None = None) -> Draft:

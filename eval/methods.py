@@ -94,7 +94,7 @@ def build_method(
         drafter = make_drafter()
 
         def generate(prompt_ids: Tensor, sampling: Sampling, seed: int) -> Generation:
-            generator = torch.Generator().manual_seed(seed)
+            generator = torch.Generator(target.device).manual_seed(seed)  # where the logits are
             return speculative_generate(
                 runner, drafter, prompt_ids, max_new_tokens, sampling, eos_ids, generator, typical_rule
             )
@@ -105,7 +105,7 @@ def build_method(
         runner = TargetRunner(target)
 
         def plain(prompt_ids: Tensor, sampling: Sampling, seed: int) -> Generation:
-            generator = torch.Generator().manual_seed(seed)
+            generator = torch.Generator(target.device).manual_seed(seed)
             return plain_generate(runner, prompt_ids, max_new_tokens, sampling, eos_ids, generator)
 
         return Method(name, kind, plain)

@@ -13,7 +13,8 @@ import torch
 
 from specdraft.data.features import TokenBatch, extract_features
 from specdraft.data.target import target_weights
-from specdraft.eval.decode import plain_generate, speculative_generate
+from specdraft.data.tiny import tiny_random_target
+from specdraft.eval.decode import Typical, plain_generate, speculative_generate
 from specdraft.eval.drafters import (
     Chain,
     DraftModelDrafter,
@@ -22,6 +23,7 @@ from specdraft.eval.drafters import (
     MedusaDrafter,
     StaticTree,
 )
+from specdraft.eval.methods import build_method
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.trees import best_static_tree
@@ -291,3 +293,35 @@ def test_every_drafted_node_scores_like_the_head_on_its_path(tiny_target, kind, 
     for context, committed, scores in seen:
         expected = head_from_scratch(tiny_target, head, context, committed)
         torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-4, msg=f"context {context}")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)], ids=["cpu", "cuda"])
+def test_sampling_runs_on_the_targets_device(device):
+    """T>0 through the methods as the bench builds them: the generator, the target's and the
+    draft's probabilities and the acceptance rules all live on the target's device."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    target = tiny_random_target(seed=0)
+    target.model.to(device)
+    head = random_head(target, "eagle").to(device)
+    prompt = prompt_ids(target)
+    shapes = {
+        "chain": {"kind": "chain", "depth": 3},
+        "tree": {"kind": "dynamic", "depth": 3, "top_k": 2, "total_tokens": 6},
+    }
+    for name, shape in [("plain", None), *shapes.items()]:
+        config = {"type": "plain"} if shape is None else {"type": "head", "checkpoint": "x", "shape": shape}
+        method = build_method(
+            name,
+            config,
+            target,
+            heads=lambda _: head,
+            draft_model=lambda: None,
+            shortlist=lambda: None,
+            eos_ids=(),
+            max_new_tokens=16,
+            typical=Typical(),
+        )
+        first = method.generate(prompt, Sampling(temperature=1.0), 3)
+        assert len(first.tokens) == 16
+        assert method.generate(prompt, Sampling(temperature=1.0), 3).tokens == first.tokens  # seeded
