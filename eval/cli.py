@@ -57,14 +57,21 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
     start(command, cfg.threads, cfg.target)
     target: Target = instantiate(cfg.target)
     if cfg.packed_weights:
-        log.info("target linear layers pre-packed for oneDNN: %d", pack_linear_weights(target.model))
+        log.info("linear layers pre-packed for oneDNN: %d of the target", pack_linear_weights(target.model))
     questions = instantiate(cfg.prompts)
     if not questions:
         raise ValueError(f"prompts {cfg.prompts}: no questions")
     head_dtype = getattr(torch, cfg.head_dtype) if cfg.head_dtype else None
     eos_ids = target.spec.eos_token_ids
     # Loaded on first use and shared by the methods that need them.
-    heads = functools.cache(lambda path: load_head(path, target, head_dtype))
+
+    def frozen_head(path: str) -> torch.nn.Module:
+        head = load_head(path, target, head_dtype)
+        if cfg.packed_weights:  # its few-row matmuls gain as much as the target's (eval/kernels.py)
+            pack_linear_weights(head)
+        return head
+
+    heads = functools.cache(frozen_head)
     draft_model = functools.cache(
         lambda: load_draft_model(target, cfg.draft_model.path, cfg.draft_model.num_layers)
     )
