@@ -3,7 +3,10 @@
 * greedy speculative output == plain greedy output, for untrained, oracle and adversarial
   drafts × chain, static tree, dynamic tree × Medusa, EAGLE, EAGLE-3 (and a draft model);
 * the oracle accepts the whole tree depth at every step, the adversary nothing;
-* sampling through the whole loop reproduces the target's distribution (chi-square).
+* sampling through the whole loop reproduces the target's distribution (chi-square), and runs
+  on the target's device;
+* every distribution a feature-head drafter scores candidates with equals the head run from
+  scratch on that node's path (greedy equality is blind to bugs that only lower acceptance).
 """
 
 from __future__ import annotations
