@@ -334,15 +334,17 @@ class FeatureHeadDrafter(Drafter):
         allowed = torch.cat([ancestors, torch.eye(n, dtype=torch.bool, device=self.device)], dim=1)
         block.masked_fill_(~allowed, float("-inf"))
         positions = torch.full((1, n), past - 1 + depth, device=self.device)
-        out, key, value = self.head.step(
-            features,
-            tokens[None],
-            positions,
-            self._bias[:n, :end],
-            self.kv[0][..., : end - n, :],
-            self.kv[1][..., : end - n, :],
-        )
-        block.zero_()  # the buffer stays all-attend outside the block being used
+        try:
+            out, key, value = self.head.step(
+                features,
+                tokens[None],
+                positions,
+                self._bias[:n, :end],
+                self.kv[0][..., : end - n, :],
+                self.kv[1][..., : end - n, :],
+            )
+        finally:
+            block.zero_()  # the buffer stays all-attend outside the block being used
         self.kv[0][..., end - n : end, :] = key
         self.kv[1][..., end - n : end, :] = value
         self._slots += n
