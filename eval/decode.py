@@ -146,9 +146,8 @@ def speculative_generate(
         drafted = _sync(device)
         output = runner.verify(draft.tokens, draft.tree)
         verified = _sync(device)
-        nodes, root = _accept(draft, output.logits, sampling, generator, typical)
+        nodes, accepted_tokens, root = _accept(draft, output.logits, sampling, generator, typical)
         runner.commit(nodes)
-        accepted_tokens = draft.tokens[nodes].tolist()
         tokens.extend([*accepted_tokens[1:], root])
         drafter.observe(draft.tree.num_nodes - 1, len(nodes) - 1)
         stop = _finish(tokens, max_new_tokens, eos_ids)[1]
@@ -171,30 +170,32 @@ def speculative_generate(
 
 def _accept(
     draft, logits: Tensor, sampling: Sampling, generator, typical: Typical | None
-) -> tuple[list[int], int]:
-    """The accepted nodes (root first, in path order) and the next token."""
+) -> tuple[list[int], list[int], int]:
+    """The accepted nodes (root first, in path order), their tokens, and the next token."""
     tree = draft.tree
-    if typical is not None and not sampling.greedy:
-        accepted, next_token = typical_accept(
-            draft.tokens,
-            tree.retrieve_indices,
-            sampling.probs(logits),
-            typical.epsilon,
-            typical.delta,
-            generator,
-        )
-        return [0, *accepted], next_token
-    if sampling.greedy:  # on the logits' device; one host transfer per step
+    if sampling.greedy:  # typical acceptance degrades to greedy matching at T=0 too
+        # On the logits' device; ONE host transfer per step: the path, its tokens, the count
+        # and the next token together.
         retrieve = tree.retrieve_indices.to(logits.device)
         tokens = draft.tokens.to(logits.device)
         path_argmax = greedy_tokens(logits)[retrieve.clamp(min=0)]
         candidates = torch.where(retrieve[:, 1:] >= 0, tokens[retrieve[:, 1:].clamp(min=0)], -1)
         row, count = greedy_accept(candidates, path_argmax)
-        found = torch.cat([retrieve[row], count[None], path_argmax[row, count][None]]).tolist()
-        return found[: found[-2] + 1], found[-1]
+        path = retrieve[row]
+        found = torch.cat([path, tokens[path.clamp(min=0)], count[None], path_argmax[row, count][None]])
+        found, width = found.tolist(), len(path)
+        accepted = found[-2] + 1
+        return found[:accepted], found[width : width + accepted], found[-1]
     probs = sampling.probs(logits)  # on the target's device, like the generator
-    if draft.draft_probs is not None:  # a sampled chain: nodes 0..D in order
+    if typical is not None:
+        accepted, next_token = typical_accept(
+            draft.tokens, tree.retrieve_indices, probs, typical.epsilon, typical.delta, generator
+        )
+        nodes = [0, *accepted]
+    elif draft.draft_probs is not None:  # a sampled chain: nodes 0..D in order
         count, next_token = speculative_sample_chain(draft.tokens[1:], draft.draft_probs, probs, generator)
-        return list(range(count + 1)), next_token
-    accepted, next_token = tree_rejection_sample(draft.tokens, tree.parents, probs, generator)
-    return [0, *accepted], next_token
+        nodes = list(range(count + 1))
+    else:
+        accepted, next_token = tree_rejection_sample(draft.tokens, tree.parents, probs, generator)
+        nodes = [0, *accepted]
+    return nodes, draft.tokens[nodes].tolist(), next_token
