@@ -83,6 +83,11 @@ class PositionalKVCache(Cache):
     @classmethod
     def for_model(cls, model, dtype: torch.dtype, device) -> PositionalKVCache:
         config = model.config
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            raise NotImplementedError(
+                f"{config.model_type}: sliding-window attention (sliding_window={config.sliding_window}) "
+                "is not supported by the decoder's positional KV cache"
+            )
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads

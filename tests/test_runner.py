@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specdraft.data.features import TokenBatch, extract_features
+from specdraft.data.tiny import tiny_random_target
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.trees import chain_paths, tree_buffers
 
@@ -85,3 +86,10 @@ def test_commit_of_a_prefix_crops_the_rest(tiny_target):
     torch.testing.assert_close(
         logits[-1], fresh_logits(tiny_target, [5, 6, 7, 8, 9, 12]), rtol=1e-5, atol=1e-5
     )
+
+
+def test_sliding_window_targets_are_refused_not_silently_attended_in_full():
+    target = tiny_random_target(seed=0)
+    target.model.config.sliding_window = 16
+    with pytest.raises(NotImplementedError, match="sliding_window=16"):
+        TargetRunner(target)
