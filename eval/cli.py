@@ -63,7 +63,6 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
         raise ValueError(f"prompts {cfg.prompts}: no questions")
     head_dtype = getattr(torch, cfg.head_dtype) if cfg.head_dtype else None
     eos_ids = target.spec.eos_token_ids
-    # Loaded on first use and shared by the methods that need them.
 
     def frozen_head(path: str) -> torch.nn.Module:
         head = load_head(path, target, head_dtype)
@@ -71,6 +70,7 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
             pack_linear_weights(head)
         return head
 
+    # Loaded on first use and shared by the methods that need them.
     heads = functools.cache(frozen_head)
     draft_model = functools.cache(
         lambda: load_draft_model(target, cfg.draft_model.path, cfg.draft_model.num_layers)

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from specdraft.eval.kernels import pack_linear_weights
-from specdraft.eval.runner import CAPACITY_STEP, PositionalKVCache, TargetOutput
+from specdraft.eval.runner import PositionalKVCache, TargetOutput, grow_positions
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.trees import TreeBuffers, tree_buffers, tree_from_ancestors
 from specdraft.heads.eagle import EagleHead, FeatureHead
@@ -277,11 +277,7 @@ class FeatureHeadDrafter(Drafter):
         return len(shape.paths) if isinstance(shape, StaticTree) else shape.depth
 
     def _reserve(self, length: int) -> None:
-        if length > self.kv.shape[-2]:
-            capacity = -(-length // CAPACITY_STEP) * CAPACITY_STEP
-            grown = self.kv.new_zeros(*self.kv.shape[:-2], capacity, self.kv.shape[-1])
-            grown[..., : len(self.history), :] = self.kv[..., : len(self.history), :]
-            self.kv = grown
+        self.kv = grow_positions(self.kv, length, keep=len(self.history))
         if length > self._bias.shape[1] or self._bias.shape[0] < self._max_rows:
             self._bias = torch.zeros(self._max_rows, self.kv.shape[-2], dtype=self.dtype, device=self.device)
 

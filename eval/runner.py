@@ -35,6 +35,17 @@ from specdraft.eval.trees import TreeBuffers
 CAPACITY_STEP = 256
 
 
+def grow_positions(storage: Tensor, length: int, keep: int) -> Tensor:
+    """``storage`` (positions on dim −2) with room for ``length`` positions: itself when it has
+    it, else a zeroed copy rounded up to CAPACITY_STEP holding its first ``keep`` positions."""
+    if length <= storage.shape[-2]:
+        return storage
+    capacity = -(-length // CAPACITY_STEP) * CAPACITY_STEP
+    grown = storage.new_zeros(*storage.shape[:-2], capacity, storage.shape[-1])
+    grown[..., :keep, :] = storage[..., :keep, :]
+    return grown
+
+
 class _PositionalLayer(CacheLayerMixin):
     """One layer's view of a :class:`PositionalKVCache`: writes at the cache's cursor."""
 
@@ -99,12 +110,7 @@ class PositionalKVCache(Cache):
 
     def reserve(self, length: int) -> None:
         """Make room for ``length`` positions (the entries before ``write_at`` are kept)."""
-        if length <= self.capacity:
-            return
-        capacity = -(-length // CAPACITY_STEP) * CAPACITY_STEP
-        grown = self.storage.new_zeros(*self.storage.shape[:-2], capacity, self.storage.shape[-1])
-        grown[..., : self.write_at, :] = self.storage[..., : self.write_at, :]
-        self.storage = grown
+        self.storage = grow_positions(self.storage, length, keep=self.write_at)
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` positions."""
