@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 
 import pytest
+import torch
 
 from specdraft.data.target import Target
 from specdraft.data.tiny import tiny_random_target
@@ -18,3 +20,50 @@ def tiny_target() -> Target:
 def requires_package(name: str) -> pytest.MarkDecorator:
     """Skip unless the (--no-deps) asset package ``name`` is installed (`make install-assets`)."""
     return pytest.mark.skipif(importlib.util.find_spec(name) is None, reason=f"{name} is not installed")
+
+
+# -- the statistics of the T>0 tests ---------------------------------------------------------------
+FAMILY_ALPHA = 0.001  # chance that a correct sampler fails one whole prefix_chi_squares family
+
+
+def chi_square_critical(df: int, alpha: float) -> float:
+    """The (1 − alpha) quantile of chi-square with ``df`` degrees of freedom, by Wilson–Hilferty
+    (within ~1 % from df = 3 on; above the exact value at df = 1, which only makes it stricter
+    on a wrong rule's side)."""
+    z = float(torch.special.ndtri(torch.tensor(1 - alpha, dtype=torch.float64)))
+    h = 2 / (9 * df)
+    return df * (1 - h + z * h**0.5) ** 3
+
+
+def prefix_chi_squares(
+    counts: Mapping[tuple[int, ...], int], expected: Mapping[tuple[int, ...], float]
+) -> list[tuple[float, float]]:
+    """(chi-square, critical value) for each prefix length 1..L of emitted L-token blocks.
+
+    ``counts``: how often each block was emitted; ``expected``: the target's probability of every
+    block it can emit (summing to 1). Scoring every prefix, not only the whole block, keeps the
+    power where a bias lives: an over-accepting rule shifts the FIRST tokens (a 5 % over-acceptance
+    hides among the many cells of whole blocks), a bonus drawn from the wrong row shifts only the
+    LAST. Each prefix is tested at FAMILY_ALPHA / L (Bonferroni)."""
+    unexpected = set(counts) - set(expected)
+    assert not unexpected, f"blocks the target cannot emit: {sorted(unexpected)[:5]}"
+    trials, length = sum(counts.values()), len(next(iter(expected)))
+    results = []
+    for n in range(1, length + 1):
+        observed: dict[tuple[int, ...], int] = {}
+        probability: dict[tuple[int, ...], float] = {}
+        for block, p in expected.items():
+            probability[block[:n]] = probability.get(block[:n], 0.0) + p
+        for block, count in counts.items():
+            observed[block[:n]] = observed.get(block[:n], 0) + count
+        cells = {cell: p for cell, p in probability.items() if p > 0}
+        if len(cells) < 2:  # one possible prefix: nothing to test
+            continue
+        statistic = sum((observed.get(cell, 0) - trials * p) ** 2 / (trials * p) for cell, p in cells.items())
+        results.append((statistic, chi_square_critical(len(cells) - 1, FAMILY_ALPHA / length)))
+    return results
+
+
+def rejects(counts: Mapping[tuple[int, ...], int], expected: Mapping[tuple[int, ...], float]) -> bool:
+    """Whether some prefix of the emitted blocks departs from the target's distribution."""
+    return any(statistic > critical for statistic, critical in prefix_chi_squares(counts, expected))

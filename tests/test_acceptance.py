@@ -1,17 +1,28 @@
 """Acceptance rules: greedy on literal tensors; sampling reproduces the target's distribution
-(chi-square over the first two emitted tokens on a 4-token vocabulary), and a wrong rule fails."""
+over the WHOLE emitted block, the bonus token after full acceptance included (chi-square of every
+prefix of 3-token blocks on a 4-token vocabulary), with enough trials that a rule which accepts
+5 % too often, or draws the bonus from the wrong row, fails."""
 
 from __future__ import annotations
 
+import itertools
+
+import pytest
 import torch
+from conftest import prefix_chi_squares, rejects
 
 from specdraft.eval.acceptance import greedy_accept, speculative_sample_chain, tree_rejection_sample
 from specdraft.eval.sampling import greedy_tokens
 from specdraft.eval.trees import tree_buffers
 
 VOCAB = 4
-TRIALS = 8000
-CHI2_CRITICAL_DF15_P001 = 37.70  # 16 cells → 15 degrees of freedom, p = 0.001
+DRAFTS = 2  # per block; with the bonus token a block has up to 3 tokens
+BLOCK = DRAFTS + 1
+# 20k blocks: a 5 % over-acceptance gives a first-token chi-square of ~25–40 against a critical
+# ~19 (measured over seeds); a correct rule stays near its 3 degrees of freedom.
+TRIALS = 20_000
+OVER_ACCEPTANCE = 1.05
+GROSS_ERROR_TRIALS = 2_000  # a wrong residual or bonus row is far off: fewer trials show it
 
 
 def test_greedy_accept_literal():
@@ -44,46 +55,79 @@ class ToyModel:
 TARGET, DRAFT = ToyModel(1, 1.5), ToyModel(2, 1.0)
 
 
-def chi_square(emit) -> float:
-    """Run ``emit(generator) -> list of tokens`` TRIALS times; chi-square of the first two tokens
-    against the target (a second token not emitted is sampled from the target, as the next
-    decoding round would)."""
+def emitted_blocks(emit, trials: int = TRIALS) -> dict[tuple[int, ...], int]:
+    """Run ``emit(generator) -> tokens`` ``trials`` times; counts of the emitted BLOCK-token blocks
+    (a block cut short by a rejection is completed from the target, as the next rounds would)."""
     generator = torch.Generator().manual_seed(0)
-    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-    for _ in range(TRIALS):
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(trials):
         tokens = emit(generator)
-        if len(tokens) < 2:
-            tokens.append(int(torch.multinomial(TARGET((tokens[0],)), 1, generator=generator)))
-        counts[tokens[0], tokens[1]] += 1
-    expected = torch.stack([TARGET(())[a] * TARGET((a,)) for a in range(VOCAB)]) * TRIALS
-    return float(((counts - expected) ** 2 / expected).sum())
+        while len(tokens) < BLOCK:
+            tokens.append(int(torch.multinomial(TARGET(tuple(tokens)), 1, generator=generator)))
+        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+    return counts
+
+
+def target_blocks() -> dict[tuple[int, ...], float]:
+    """The target's probability of every BLOCK-token block."""
+    expected = {}
+    for block in itertools.product(range(VOCAB), repeat=BLOCK):
+        expected[block] = float(torch.tensor([TARGET(block[:i])[block[i]] for i in range(BLOCK)]).prod())
+    return expected
+
+
+def assert_preserves_the_target(rule_emit) -> None:
+    results = prefix_chi_squares(emitted_blocks(rule_emit), target_blocks())
+    assert all(statistic < critical for statistic, critical in results), results
 
 
 def chain_emit(rule):
     def emit(generator):
         drafts, draft_probs = [], []
-        for _ in range(2):
+        for _ in range(DRAFTS):
             q = DRAFT(tuple(drafts))
             draft_probs.append(q)
             drafts.append(int(torch.multinomial(q, 1, generator=generator)))
-        target_probs = torch.stack([TARGET(tuple(drafts[:i])) for i in range(3)])
+        target_probs = torch.stack([TARGET(tuple(drafts[:i])) for i in range(DRAFTS + 1)])
         accepted, token = rule(torch.tensor(drafts), torch.stack(draft_probs), target_probs, generator)
         return [*drafts[:accepted], token]
 
     return emit
 
 
-def wrong_chain_rule(draft_tokens, draft_probs, target_probs, generator):
-    """On rejection, resample from p instead of the residual max(0, p − q): biased."""
-    for i, token in enumerate(draft_tokens.tolist()):
-        if torch.rand((), generator=generator) * draft_probs[i, token] > target_probs[i, token]:
-            return i, int(torch.multinomial(target_probs[i], 1, generator=generator))
-    return len(draft_tokens), int(torch.multinomial(target_probs[-1], 1, generator=generator))
+def chain_rule(resample_from_p=False, over_accept=1.0, bonus_row=-1):
+    """speculative_sample_chain with one thing wrong: resample from p instead of the residual
+    max(0, p − q), accept ``over_accept`` times too often, or draw the bonus from another row."""
+
+    def rule(draft_tokens, draft_probs, target_probs, generator):
+        for i, token in enumerate(draft_tokens.tolist()):
+            if (
+                torch.rand((), generator=generator) * draft_probs[i, token]
+                <= over_accept * target_probs[i, token]
+            ):
+                continue
+            residual = target_probs[i] if resample_from_p else (target_probs[i] - draft_probs[i]).clamp(min=0)
+            return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+        return len(draft_tokens), int(torch.multinomial(target_probs[bonus_row], 1, generator=generator))
+
+    return rule
 
 
 def test_chain_speculative_sampling_preserves_the_target_distribution():
-    assert chi_square(chain_emit(speculative_sample_chain)) < CHI2_CRITICAL_DF15_P001
-    assert chi_square(chain_emit(wrong_chain_rule)) > 10 * CHI2_CRITICAL_DF15_P001
+    assert_preserves_the_target(chain_emit(speculative_sample_chain))
+
+
+@pytest.mark.parametrize(
+    "wrong,trials",
+    [
+        ({"resample_from_p": True}, GROSS_ERROR_TRIALS),
+        ({"over_accept": OVER_ACCEPTANCE}, TRIALS),
+        ({"bonus_row": -2}, GROSS_ERROR_TRIALS),
+    ],
+    ids=["resample-from-p", "over-accept-5%", "bonus-from-wrong-row"],
+)
+def test_chain_test_catches_a_wrong_rule(wrong, trials):
+    assert rejects(emitted_blocks(chain_emit(chain_rule(**wrong)), trials), target_blocks())
 
 
 PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0]]
@@ -108,18 +152,50 @@ def tree_emit(rule):
     return emit
 
 
-def wrong_tree_rule(tokens, parents, target_probs, generator):
-    """Tries the root's children but, after rejecting them all, samples from the ORIGINAL p."""
-    children = [n for n, parent in enumerate(parents.tolist()) if parent == 0]
-    for child in children:
-        if torch.rand((), generator=generator) < target_probs[0, tokens[child]]:
-            return [child], int(torch.multinomial(target_probs[child], 1, generator=generator))
-    return [], int(torch.multinomial(target_probs[0], 1, generator=generator))
+def tree_rule(resample_from_p=False, over_accept=1.0, bonus_from_parent=False):
+    """tree_rejection_sample with one thing wrong: after rejecting every child sample from the
+    ORIGINAL p, accept ``over_accept`` times too often, or draw the bonus after a fully accepted
+    path from the leaf's parent's row."""
+
+    def rule(tokens, parents, target_probs, generator):
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(parents.tolist()):
+            if parent >= 0:
+                children.setdefault(parent, []).append(node)
+        accepted, node = [], 0
+        while True:
+            p = target_probs[node].clone()
+            for child in children.get(node, []):
+                if torch.rand((), generator=generator) < over_accept * p[tokens[child]]:
+                    accepted.append(child)
+                    node = child
+                    break
+                if not resample_from_p:
+                    p[tokens[child]] = 0
+                    p = p / p.sum()
+            else:
+                if bonus_from_parent and node not in children and node > 0:
+                    p = target_probs[int(parents[node])]
+                return accepted, int(torch.multinomial(p, 1, generator=generator))
+
+    return rule
 
 
 def test_tree_rejection_sampling_preserves_the_target_distribution():
-    assert chi_square(tree_emit(tree_rejection_sample)) < CHI2_CRITICAL_DF15_P001
-    assert chi_square(tree_emit(wrong_tree_rule)) > 10 * CHI2_CRITICAL_DF15_P001
+    assert_preserves_the_target(tree_emit(tree_rejection_sample))
+
+
+@pytest.mark.parametrize(
+    "wrong,trials",
+    [
+        ({"resample_from_p": True}, GROSS_ERROR_TRIALS),
+        ({"over_accept": OVER_ACCEPTANCE}, TRIALS),
+        ({"bonus_from_parent": True}, GROSS_ERROR_TRIALS),
+    ],
+    ids=["resample-from-p", "over-accept-5%", "bonus-from-wrong-row"],
+)
+def test_tree_test_catches_a_wrong_rule(wrong, trials):
+    assert rejects(emitted_blocks(tree_emit(tree_rule(**wrong)), trials), target_blocks())
 
 
 def test_greedy_tokens_take_the_first_maximum_like_argmax():
