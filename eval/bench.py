@@ -182,7 +182,7 @@ def run_benchmark(
     report = {
         "machine": machine_info(),
         "config": config,
-        "methods": {m.name: {"type": m.type, "lossless": m.lossless} for m in methods},
+        "methods": {m.name: {"type": m.type, "lossless": m.lossless, **m.details} for m in methods},
         "results": summarize(read_records(out_dir)),
     }
     write_json_atomic(out_dir / REPORT, report)

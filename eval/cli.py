@@ -9,7 +9,9 @@ the plots (acceptance_per_depth.png, speedup.png) to ``${paths.log_dir}/bench/${
 from __future__ import annotations
 
 import functools
+import json
 import logging
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +20,27 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from specdraft.data.atomic import write_json_atomic
 from specdraft.data.chat import assistant_token_counts, tokenize_conversations
 from specdraft.data.conversations import split_conversations
-from specdraft.data.hardware import start
+from specdraft.data.hardware import detect_hardware, start
 from specdraft.data.target import Target
+from specdraft.eval.autoshape import (
+    ShapeChoice,
+    cached_verify_latency,
+    calibrate,
+    choose_shape,
+    greedy_continuations,
+    probe_verify_latency,
+)
 from specdraft.eval.baselines import load_draft_model
 from specdraft.eval.bench import BenchDirError, run_benchmark
 from specdraft.eval.decode import Typical
-from specdraft.eval.kernels import pack_linear_weights
+from specdraft.eval.drafters import Drafter, TreeShape
+from specdraft.eval.kernels import PackedLinear, pack_linear_weights
 from specdraft.eval.load import load_head
-from specdraft.eval.methods import build_method
+from specdraft.eval.methods import build_method, tree_shape
+from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
 from specdraft.heads.vocab import draft_vocab_from_counts
 
@@ -87,6 +100,7 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
             eos_ids=eos_ids,
             max_new_tokens=cfg.max_new_tokens,
             typical=Typical(**cfg.typical),
+            choose_shape=shape_chooser(cfg, target),
         )
         for name, spec in {
             "plain": {"type": "plain"},
@@ -112,6 +126,87 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
         resume=cfg.resume,
         progress=cfg.progress,
     )
+
+
+def shape_chooser(cfg: DictConfig, target: Target):
+    """``shape: auto`` for this run (eval/autoshape.py): calibration continuations and the
+    verify-latency probe are made once and shared by the methods; each method's choice is
+    written to ``auto_shape-<method>.json`` in the run dir, so a resumed run keeps it."""
+    settings = cfg.auto_shape
+    out_dir = Path(cfg.paths.output_dir)
+
+    @functools.cache
+    def prompts() -> list[torch.Tensor]:
+        return calibration_prompts(settings.calibration, target)
+
+    @functools.cache
+    def continuations() -> list[list[int]]:
+        return greedy_continuations(TargetRunner(target), prompts(), settings.calibration.new_tokens)
+
+    @functools.cache
+    def latency():
+        probe = settings.latency
+        key = {
+            "machine": detect_hardware().record(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "target": [target.spec.name, target.spec.revision, str(target.dtype), str(target.device)],
+            "packed_weights": any(isinstance(m, PackedLinear) for m in target.model.modules()),
+            "probe": OmegaConf.to_container(probe, resolve=True),
+        }
+        measure = functools.partial(
+            probe_verify_latency, TargetRunner(target), probe.node_counts, probe.past, probe.repeats
+        )
+        return cached_verify_latency(Path(cfg.paths.cache_dir) / "latency", key, measure)[0]
+
+    def choose(
+        name: str,
+        runner: TargetRunner,
+        drafter_for: Callable[[TreeShape], Drafter],
+        candidates: Sequence[Mapping[str, Any]] | None,
+    ) -> ShapeChoice:
+        path = out_dir / f"auto_shape-{name}.json"
+        if path.exists():  # a resumed run keeps the shape its records were measured with
+            log.info("shape: auto for %s: the choice recorded in %s", name, path)
+            return ShapeChoice.from_record(json.loads(path.read_text()))
+        calibrations = calibrate(runner, prompts(), continuations())
+        if candidates is None:
+            candidates = OmegaConf.to_container(settings.candidates, resolve=True)
+        choice = choose_shape(
+            drafter_for, tree_shape, candidates, calibrations, latency(), target.device, cfg.progress
+        )
+        write_json_atomic(path, choice.record())
+        return choice
+
+    return choose
+
+
+def calibration_prompts(cfg: DictConfig, target: Target) -> list[torch.Tensor]:
+    """The first user turns of ``cfg.prompts`` held-out conversations (never the benchmark's
+    questions), as chat prompts of at most ``cfg.max_prompt_tokens`` tokens."""
+    source = instantiate(cfg.source)
+    _, heldout = split_conversations(source.conversations, cfg.heldout_fraction, cfg.split_seed)
+    prompts = []
+    for conversation in heldout:
+        first = next((m for m in conversation.messages if m.role == "user"), None)
+        if first is None:
+            continue
+        ids = target.tokenizer.apply_chat_template(
+            [{"role": "user", "content": first.content}],
+            add_generation_prompt=True,
+            return_dict=True,
+            return_tensors="pt",
+        )["input_ids"][0]
+        if len(ids) <= cfg.max_prompt_tokens:
+            prompts.append(ids)
+        if len(prompts) == cfg.prompts:
+            break
+    if not prompts:
+        raise ValueError(
+            f"auto_shape.calibration: no held-out conversation of {cfg.source} has a first user turn "
+            f"of at most {cfg.max_prompt_tokens} tokens"
+        )
+    return prompts
 
 
 def vocab_shortlist(cfg: DictConfig, target: Target) -> torch.Tensor | None:

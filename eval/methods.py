@@ -7,7 +7,9 @@ Method config (a mapping):
 * ``{type: plain}`` — token by token on our target runner (the speedup reference);
 * ``{type: head, checkpoint, shape, shortlist, typical}`` — a trained head in our decode loop;
   ``shape`` = ``{kind: dynamic, depth, top_k, total_tokens}`` | ``{kind: chain, depth,
-  threshold}`` | ``{kind: static, paths}`` | ``{kind: static, rank_accept, num_nodes}``;
+  threshold}`` | ``{kind: static, paths}`` | ``{kind: static, rank_accept, num_nodes}`` |
+  ``{kind: auto, candidates}`` (the fastest candidate on this machine, or plain decoding;
+  :mod:`specdraft.eval.autoshape`);
   ``typical: true`` switches on Medusa typical acceptance (LOSSY at T > 0);
 * ``{type: draft_model, depth, threshold}`` — classic speculative sampling with the draft LM;
 * ``{type: hf}``, ``{type: hf, prompt_lookup_tokens}``, ``{type: hf, assisted: true,
@@ -16,14 +18,15 @@ Method config (a mapping):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from specdraft.data.target import Target
+from specdraft.eval.autoshape import PLAIN, ShapeChoice
 from specdraft.eval.baselines import hf_generate
 from specdraft.eval.decode import Generation, Typical, plain_generate, speculative_generate
 from specdraft.eval.drafters import (
@@ -44,20 +47,29 @@ from specdraft.heads.medusa import MedusaHead
 
 Generate = Callable[[Tensor, Sampling, int], Generation]
 METHOD_TYPES = ("plain", "head", "draft_model", "hf")
+AUTO = "auto"
+# (method name, its runner, a drafter for a shape, candidate shape configs or None for the
+# defaults) -> the choice; specdraft-bench's chooser calibrates, probes and records it.
+ShapeChooser = Callable[
+    [str, TargetRunner, Callable[[TreeShape], Drafter], Sequence[Mapping[str, Any]] | None], ShapeChoice
+]
 
 
 @dataclass
 class Method:
-    """``lossless``: the output distribution is the target's (False only for typical acceptance)."""
+    """``lossless``: the output distribution is the target's (False only for typical acceptance);
+    ``details``: what the report should say about how it was set up (``shape: auto``'s choice)."""
 
     name: str
     type: str
     generate: Generate
     lossless: bool = True
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 def tree_shape(config: Mapping[str, Any]) -> TreeShape:
-    """A TreeShape from ``{kind: chain|static|dynamic, ...}``."""
+    """A TreeShape from ``{kind: chain|static|dynamic, ...}`` (``auto`` is resolved by
+    :func:`build_method`)."""
     config = dict(config)
     kind = config.pop("kind", None)
     try:
@@ -84,8 +96,10 @@ def build_method(
     eos_ids: tuple[int, ...],
     max_new_tokens: int,
     typical: Typical,
+    choose_shape: ShapeChooser | None = None,
 ) -> Method:
-    """``heads(checkpoint)``, ``draft_model()`` and ``shortlist()`` load lazily (and cache)."""
+    """``heads(checkpoint)``, ``draft_model()`` and ``shortlist()`` load lazily (and cache);
+    ``choose_shape`` resolves ``shape: {kind: auto}``."""
     kind = config.get("type")
     if kind not in METHOD_TYPES:
         raise ValueError(f"method {name}: type must be one of {METHOD_TYPES}, got {kind!r}")
@@ -101,30 +115,39 @@ def build_method(
 
         return generate
 
-    if kind == "plain":
-        runner = TargetRunner(target)
-
+    def plain_on(runner: TargetRunner) -> Generate:
         def plain(prompt_ids: Tensor, sampling: Sampling, seed: int) -> Generation:
             generator = torch.Generator(target.device).manual_seed(seed)
             return plain_generate(runner, prompt_ids, max_new_tokens, sampling, eos_ids, generator)
 
-        return Method(name, kind, plain)
+        return plain
+
+    if kind == "plain":
+        return Method(name, kind, plain_on(TargetRunner(target)))
     if kind == "head":
         head = heads(config["checkpoint"])
-        shape = tree_shape(config["shape"])
         use_typical = bool(config.get("typical", False))
         if isinstance(head, MedusaHead):
             runner = TargetRunner(target)
-            make = lambda: MedusaDrafter(head, shape)  # noqa: E731
+            drafter_for: Callable[[TreeShape], Drafter] = lambda shape: MedusaDrafter(head, shape)  # noqa: E731
         elif isinstance(head, FeatureHead):
             runner = TargetRunner(target, head.spec.aux_layer_ids if isinstance(head, Eagle3Head) else ())
             words = shortlist() if config.get("shortlist", False) else None
-            make = lambda: FeatureHeadDrafter(head, shape, vocab_shortlist=words)  # noqa: E731
+            drafter_for = lambda shape: FeatureHeadDrafter(head, shape, vocab_shortlist=words)  # noqa: E731
         else:
             raise ValueError(f"method {name}: unsupported head {type(head).__name__}")
-        return Method(
-            name, kind, decode_with(make, runner, typical if use_typical else None), not use_typical
-        )
+        shape_config, details = dict(config["shape"]), {}
+        if shape_config.get("kind") == AUTO:
+            if choose_shape is None:
+                raise ValueError(f"method {name}: shape auto needs a shape chooser (specdraft-bench has one)")
+            choice = choose_shape(name, runner, drafter_for, shape_config.get("candidates"))
+            details = {"auto_shape": choice.record()}
+            if choice.shape["kind"] == PLAIN:  # no shape pays on this machine
+                return Method(name, kind, plain_on(runner), details=details)
+            shape_config = dict(choice.shape)
+        shape = tree_shape(shape_config)
+        generate = decode_with(lambda: drafter_for(shape), runner, typical if use_typical else None)
+        return Method(name, kind, generate, not use_typical, details)
     if kind == "draft_model":
         shape = Chain(depth=config.get("depth", 4), threshold=config.get("threshold"))
         model = draft_model()

@@ -60,6 +60,13 @@ def compose_bench(tmp_path: Path, config_name: str = "bench", *overrides: str, k
                 "shortlist.size=120",
                 "progress=false",
                 f"paths.output_dir={tmp_path / 'out'}",
+                f"paths.cache_dir={tmp_path / 'cache'}",
+                "auto_shape.calibration.heldout_fraction=0.5",
+                "auto_shape.calibration.prompts=2",
+                "auto_shape.calibration.new_tokens=8",
+                "auto_shape.latency.node_counts=[2,8]",
+                "auto_shape.latency.past=16",
+                "auto_shape.latency.repeats=1",
                 *overrides,
             ],
             return_hydra_config=True,
@@ -84,13 +91,16 @@ def test_bench_runs_every_method_and_reports(tmp_path):
         assert set(section["head_dynamic"]["per_category"]) == {"writing", "coding"}
         assert section["plain"]["overall"]["turns"] == 3  # two questions, three turns
     greedy = results["T=0"]
-    for name in ("head_dynamic", "head_chain", "head_threshold", "draft_model", "hf_generate"):
+    for name in ("head_dynamic", "head_auto", "head_chain", "head_threshold", "draft_model", "hf_generate"):
         # fp32 target: every lossless method reproduces plain greedy decoding exactly
         assert greedy[name]["lossless"]["exact_turns"] == 3, name
     head = greedy["head_dynamic"]["overall"]
     for key in ("tau", "acceptance_per_depth", "speedup", "overhead_share", "speedup_estimate", "draft_ms"):
         assert head[key] is not None, key
     assert report["methods"]["head_dynamic"]["lossless"]
+    choice = report["methods"]["head_auto"]["auto_shape"]  # what shape: auto chose, and why
+    assert choice["chosen"] in [p["shape"] for p in choice["predictions"]]
+    assert json.loads((out / "auto_shape-head_auto.json").read_text()) == choice  # kept on resume
     assert "head_dynamic" in format_table(results)
 
 
