@@ -39,7 +39,7 @@ from specdraft.eval.decode import Typical
 from specdraft.eval.drafters import Drafter, TreeShape
 from specdraft.eval.kernels import PackedLinear, pack_linear_weights
 from specdraft.eval.load import load_head
-from specdraft.eval.methods import build_method, tree_shape
+from specdraft.eval.methods import ShapeChooser, build_method, tree_shape
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
 from specdraft.heads.vocab import draft_vocab_from_counts
@@ -128,7 +128,7 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
     )
 
 
-def shape_chooser(cfg: DictConfig, target: Target):
+def shape_chooser(cfg: DictConfig, target: Target) -> ShapeChooser:
     """``shape: auto`` for this run (eval/autoshape.py): calibration continuations and the
     verify-latency probe are made once and shared by the methods; each method's choice is
     written to ``auto_shape-<method>.json`` in the run dir, so a resumed run keeps it."""
@@ -173,7 +173,14 @@ def shape_chooser(cfg: DictConfig, target: Target):
         if candidates is None:
             candidates = OmegaConf.to_container(settings.candidates, resolve=True)
         choice = choose_shape(
-            drafter_for, tree_shape, candidates, calibrations, latency(), target.device, cfg.progress
+            drafter_for,
+            tree_shape,
+            candidates,
+            calibrations,
+            latency(),
+            runner,
+            settings.finalists,
+            cfg.progress,
         )
         write_json_atomic(path, choice.record())
         return choice
@@ -182,8 +189,9 @@ def shape_chooser(cfg: DictConfig, target: Target):
 
 
 def calibration_prompts(cfg: DictConfig, target: Target) -> list[torch.Tensor]:
-    """The first user turns of ``cfg.prompts`` held-out conversations (never the benchmark's
-    questions), as chat prompts of at most ``cfg.max_prompt_tokens`` tokens."""
+    """Chat prompts from the first user turns of the first ``cfg.prompts`` held-out conversations
+    of ``cfg.source`` whose prompt fits ``cfg.max_prompt_tokens`` tokens (never the benchmark's
+    questions)."""
     source = instantiate(cfg.source)
     _, heldout = split_conversations(source.conversations, cfg.heldout_fraction, cfg.split_seed)
     prompts = []

@@ -135,7 +135,8 @@ def test_the_choice_follows_the_costs(tiny_target):
             CANDIDATES,
             calibrations,
             latency,
-            tiny_target.device,
+            runner,
+            finalists=0,  # the prediction alone: measuring would follow the real (tiny) costs
             progress=False,
         )
 
@@ -152,6 +153,33 @@ def test_the_choice_follows_the_costs(tiny_target):
     assert len(dear.predictions) == 1 + len(CANDIDATES)
 
 
+def test_finalists_are_decoded_for_real_and_the_fastest_measured_wins(tiny_target):
+    head = eagle_head(tiny_target)
+    runner = TargetRunner(tiny_target)
+    continuations = greedy_continuations(runner, prompts(tiny_target), 12)
+    calibrations = calibrate(runner, prompts(tiny_target), continuations)
+    choice = choose_shape(
+        lambda shape: FeatureHeadDrafter(head, shape),
+        tree_shape,
+        CANDIDATES,
+        calibrations,
+        VerifyLatency(1.0, {2: 1.0, 64: 1.0}),
+        runner,
+        finalists=2,
+        progress=False,
+    )
+    measured = [p for p in choice.predictions if p.measured_tokens_per_s is not None]
+    assert len(measured) == 3 and measured[0].shape == {"kind": PLAIN}  # 2 finalists + plain decoding
+    assert all(p.measured_tokens_per_s > 0 for p in measured)
+    ranked = sorted(choice.predictions[1:], key=lambda p: p.tokens_per_s, reverse=True)
+    assert {json.dumps(dict(p.shape)) for p in measured[1:]} == {
+        json.dumps(dict(p.shape)) for p in ranked[:2]
+    }
+    assert choice.chosen.measured_tokens_per_s == max(p.measured_tokens_per_s for p in measured)
+    record = choice.record()
+    assert record["measured_tokens_per_s"] == choice.chosen.measured_tokens_per_s
+
+
 @pytest.mark.parametrize("verify_cost", [0.5, 10.0], ids=["a-tree-wins", "nothing-pays"])
 def test_a_method_with_shape_auto_reproduces_plain_greedy_output(tiny_target, verify_cost):
     """The untrained head accepts ~nothing: a verify at half a plain step's cost makes a tree win
@@ -165,7 +193,7 @@ def test_a_method_with_shape_auto_reproduces_plain_greedy_output(tiny_target, ve
         calibrations = calibrate(method_runner, [prompt], [expected])
         latency = VerifyLatency(1.0, {2: verify_cost, 64: verify_cost})  # drafting is ~free beside it
         return choose_shape(
-            drafter_for, tree_shape, candidates, calibrations, latency, tiny_target.device, progress=False
+            drafter_for, tree_shape, candidates, calibrations, latency, method_runner, 0, progress=False
         )
 
     method = build_method(
