@@ -101,6 +101,7 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
             max_new_tokens=cfg.max_new_tokens,
             typical=Typical(**cfg.typical),
             choose_shape=shape_chooser(cfg, target),
+            compile=cfg.compile,
         )
         for name, spec in {
             "plain": {"type": "plain"},
@@ -152,10 +153,15 @@ def shape_chooser(cfg: DictConfig, target: Target) -> ShapeChooser:
             "threads": torch.get_num_threads(),
             "target": [target.spec.name, target.spec.revision, str(target.dtype), str(target.device)],
             "packed_weights": any(isinstance(m, PackedLinear) for m in target.model.modules()),
+            "compile": cfg.compile,
             "probe": OmegaConf.to_container(probe, resolve=True),
         }
         measure = functools.partial(
-            probe_verify_latency, TargetRunner(target), probe.node_counts, probe.past, probe.repeats
+            probe_verify_latency,
+            TargetRunner(target, compile=cfg.compile),
+            probe.node_counts,
+            probe.past,
+            probe.repeats,
         )
         return cached_verify_latency(Path(cfg.paths.cache_dir) / "latency", key, measure)[0]
 

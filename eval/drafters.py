@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from specdraft.eval.kernels import pack_linear_weights
+from specdraft.eval.kernels import compiled_step, pack_linear_weights
 from specdraft.eval.runner import PositionalKVCache, TargetOutput, grow_positions
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.trees import TreeBuffers, tree_buffers, tree_from_ancestors
@@ -229,7 +229,7 @@ class FeatureHeadDrafter(Drafter):
     round (the next commit overwrites them). The cache is one preallocated tensor written by
     position, and the dynamic tree (EAGLE-2) is grown on tensors: per depth one head step over
     the frontier, a top-k, a global top-k; no Python loop over nodes, nothing copied to the
-    host."""
+    host. ``compile``: the head's step through ``torch.compile``."""
 
     def __init__(
         self,
@@ -237,9 +237,11 @@ class FeatureHeadDrafter(Drafter):
         shape: TreeShape,
         score_filter: ScoreFilter | None = None,
         vocab_shortlist: Tensor | None = None,
+        compile: bool = False,
     ) -> None:
         super().__init__(shape, score_filter)
         self.head = head
+        self._step = compiled_step(head.step) if compile else head.step
         self.name = type(head).__name__
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
@@ -304,7 +306,7 @@ class FeatureHeadDrafter(Drafter):
         following = torch.tensor([*tokens[1:], next_token], device=self.device)[None]
         positions = torch.arange(past, past + count, device=self.device)[None]
         mask = causal_mask(count, self.device, past).to(self.dtype)
-        output, key, value = self.head.step(
+        output, key, value = self._step(
             features, following, positions, mask, self.kv[0][..., :past, :], self.kv[1][..., :past, :]
         )
         self.kv[0][..., past : past + count, :] = key
@@ -331,7 +333,7 @@ class FeatureHeadDrafter(Drafter):
         block.masked_fill_(~allowed, float("-inf"))
         positions = torch.full((1, n), past - 1 + depth, device=self.device)
         try:
-            out, key, value = self.head.step(
+            out, key, value = self._step(
                 features,
                 tokens[None],
                 positions,
@@ -455,11 +457,18 @@ class FeatureHeadDrafter(Drafter):
 class MedusaDrafter(Drafter):
     """Medusa heads: head k ranks the token k+2 positions after the last committed one, all
     from that position's target hidden state, so a node's candidates do not depend on the
-    drafted prefix and the tree is static (or a chain)."""
+    drafted prefix and the tree is static (or a chain). ``compile``: the heads through
+    ``torch.compile``."""
 
     name = "MedusaHead"
 
-    def __init__(self, head: MedusaHead, shape: TreeShape, score_filter: ScoreFilter | None = None) -> None:
+    def __init__(
+        self,
+        head: MedusaHead,
+        shape: TreeShape,
+        score_filter: ScoreFilter | None = None,
+        compile: bool = False,
+    ) -> None:
         if isinstance(shape, DynamicTree):
             raise ValueError(
                 "Medusa heads draft chains or static trees, not dynamic trees: use a shape like "
@@ -472,6 +481,7 @@ class MedusaDrafter(Drafter):
             )
         super().__init__(shape, score_filter)
         self.head = head
+        self._heads = compiled_step(head) if compile else head
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
         self.vocab_size = head.spec.vocab_size
@@ -488,7 +498,7 @@ class MedusaDrafter(Drafter):
 
     @torch.no_grad()
     def draft(self, root: int, sampling: Sampling, generator: torch.Generator | None = None) -> Draft:
-        log_probs = self.head(self.last_hidden)[:, 0].float().log_softmax(-1)  # K×V
+        log_probs = self._heads(self.last_hidden)[:, 0].float().log_softmax(-1)  # K×V
         if self.score_filter is not None:
             context = [*self.history, root]
             log_probs = torch.cat(
@@ -520,15 +530,22 @@ class DraftModelDrafter(Drafter):
     """Classic speculative sampling (Leviathan et al. 2023; Chen et al. 2023, DeepMind): a small
     causal LM sharing the target's tokenizer drafts a chain with its own KV cache; at T>0 the
     drafts are sampled from it. After a rejection its cache is cropped back to the committed
-    prefix."""
+    prefix. ``compile``: its forward through ``torch.compile``."""
 
     name = "draft_model"
 
-    def __init__(self, model: PreTrainedModel, shape: Chain, score_filter: ScoreFilter | None = None) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        shape: Chain,
+        score_filter: ScoreFilter | None = None,
+        compile: bool = False,
+    ) -> None:
         if not isinstance(shape, Chain):
             raise ValueError("a draft model drafts chains (shape Chain)")
         super().__init__(shape, score_filter)
         self.model = model
+        self._forward = compiled_step(model) if compile else model
         self.vocab_size = model.get_output_embeddings().out_features
         parameter = next(model.parameters())
         self.to_target = torch.arange(self.vocab_size, device=parameter.device)
@@ -547,7 +564,7 @@ class DraftModelDrafter(Drafter):
         positions = torch.arange(len(self.fed), len(self.fed) + len(tokens), device=device)[None]
         self.cache.reserve(len(self.fed) + len(tokens))
         self.cache.write_at = len(self.fed)
-        output = self.model(
+        output = self._forward(
             input_ids=torch.tensor([tokens], device=device),
             position_ids=positions,
             past_key_values=self.cache,

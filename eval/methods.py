@@ -97,9 +97,11 @@ def build_method(
     max_new_tokens: int,
     typical: Typical,
     choose_shape: ShapeChooser | None = None,
+    compile: bool = False,
 ) -> Method:
     """``heads(checkpoint)``, ``draft_model()`` and ``shortlist()`` load lazily (and cache);
-    ``choose_shape`` resolves ``shape: {kind: auto}``."""
+    ``choose_shape`` resolves ``shape: {kind: auto}``; ``compile``: the target's and the
+    drafters' steps through ``torch.compile`` (not the HF baselines)."""
     kind = config.get("type")
     if kind not in METHOD_TYPES:
         raise ValueError(f"method {name}: type must be one of {METHOD_TYPES}, got {kind!r}")
@@ -123,17 +125,22 @@ def build_method(
         return plain
 
     if kind == "plain":
-        return Method(name, kind, plain_on(TargetRunner(target)))
+        return Method(name, kind, plain_on(TargetRunner(target, compile=compile)))
     if kind == "head":
         head = heads(config["checkpoint"])
         use_typical = bool(config.get("typical", False))
         if isinstance(head, MedusaHead):
-            runner = TargetRunner(target)
-            drafter_for: Callable[[TreeShape], Drafter] = lambda shape: MedusaDrafter(head, shape)  # noqa: E731
+            runner = TargetRunner(target, compile=compile)
+            drafter_for: Callable[[TreeShape], Drafter] = lambda shape: MedusaDrafter(  # noqa: E731
+                head, shape, compile=compile
+            )
         elif isinstance(head, FeatureHead):
-            runner = TargetRunner(target, head.spec.aux_layer_ids if isinstance(head, Eagle3Head) else ())
+            aux_layer_ids = head.spec.aux_layer_ids if isinstance(head, Eagle3Head) else ()
+            runner = TargetRunner(target, aux_layer_ids, compile=compile)
             words = shortlist() if config.get("shortlist", False) else None
-            drafter_for = lambda shape: FeatureHeadDrafter(head, shape, vocab_shortlist=words)  # noqa: E731
+            drafter_for = lambda shape: FeatureHeadDrafter(  # noqa: E731
+                head, shape, vocab_shortlist=words, compile=compile
+            )
         else:
             raise ValueError(f"method {name}: unsupported head {type(head).__name__}")
         shape_config, details = dict(config["shape"]), {}
@@ -151,7 +158,8 @@ def build_method(
     if kind == "draft_model":
         shape = Chain(depth=config.get("depth", 4), threshold=config.get("threshold"))
         model = draft_model()
-        return Method(name, kind, decode_with(lambda: DraftModelDrafter(model, shape), TargetRunner(target)))
+        drafter = lambda: DraftModelDrafter(model, shape, compile=compile)  # noqa: E731
+        return Method(name, kind, decode_with(drafter, TargetRunner(target, compile=compile)))
     # HF generate
     prompt_lookup = config.get("prompt_lookup_tokens")
     assistant = draft_model() if config.get("assisted", False) else None

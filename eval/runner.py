@@ -28,6 +28,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdraft.data.target import Target
+from specdraft.eval.kernels import compiled_step
 from specdraft.eval.trees import TreeBuffers
 
 # The cache grows in steps of this many positions when a sequence outgrows it (a reallocation and
@@ -143,10 +144,11 @@ class TargetRunner:
 
     ``length`` counts the committed tokens. The decoder's newest token (the "root": sampled from
     the last logits, not yet run) is always outside the cache and is node 0 of the next
-    verification. The cache and the mask buffer are kept between sequences.
+    verification. The cache and the mask buffer are kept between sequences. ``compile``: the
+    decoder's forward through ``torch.compile`` (:func:`specdraft.eval.kernels.compiled_step`).
     """
 
-    def __init__(self, target: Target, aux_layer_ids: Sequence[int] = ()) -> None:
+    def __init__(self, target: Target, aux_layer_ids: Sequence[int] = (), compile: bool = False) -> None:
         self.target, self.model = target, target.model
         self.aux_layer_ids = tuple(aux_layer_ids)
         num_layers = len(self.model.get_decoder().layers)
@@ -154,6 +156,8 @@ class TargetRunner:
             if not 0 <= layer_id < num_layers:
                 raise ValueError(f"aux layer id {layer_id} out of range 0..{num_layers - 1}")
         self.device, self.dtype = target.device, target.dtype
+        decoder = self.model.get_decoder()
+        self._decoder = compiled_step(decoder) if compile else decoder
         self.cache = PositionalKVCache.for_model(self.model, self.dtype, self.device)
         # Additive tree mask rows × capacity: 0 everywhere except the current tree's block.
         self._bias = torch.zeros(0, 0, dtype=self.dtype, device=self.device)
@@ -170,7 +174,7 @@ class TargetRunner:
         n = len(input_ids)
         self.cache.reserve(self.length + n)
         self.cache.write_at = self.length
-        output = self.model.get_decoder()(
+        output = self._decoder(
             input_ids=input_ids.to(self.device)[None],
             position_ids=positions.to(self.device)[None],
             attention_mask=mask,

@@ -44,11 +44,18 @@ def rope_inverse_frequencies(spec: TargetSpec) -> Tensor:
     return (1.0 / theta**exponents).float()
 
 
-def apply_rotary(x: Tensor, positions: Tensor, inverse_frequencies: Tensor) -> Tensor:
-    """Rotate ``x`` (B×heads×n×d) by ``positions`` (B×n), Llama's half-split convention."""
-    angles = positions.unsqueeze(-1).float() * inverse_frequencies.to(positions.device)  # B×n×d/2
-    angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # B×1×n×d
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+def rotary_tables(spec: TargetSpec) -> tuple[Tensor, Tensor]:
+    """cos, sin (max_position_embeddings × head_dim, fp32) of Llama's rotary angles, built once
+    per module so that a step looks its positions up instead of recomputing them."""
+    positions = torch.arange(spec.max_position_embeddings, dtype=torch.float32)
+    angles = positions[:, None] * rope_inverse_frequencies(spec)  # P×d/2
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` (B×heads×n×d) by angles whose cos/sin are B×1×n×d, Llama's half-split
+    convention."""
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-second, first], dim=-1) * sin
 
@@ -67,7 +74,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, spec.hidden_size, bias=False)
-        self.register_buffer("inverse_frequencies", rope_inverse_frequencies(spec), persistent=False)
+        cos, sin = rotary_tables(spec)
+        self.register_buffer("rotary_cos", cos, persistent=False)
+        self.register_buffer("rotary_sin", sin, persistent=False)
 
     def forward(
         self,
@@ -85,8 +94,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, n, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rotary(q, positions, self.inverse_frequencies)
-        k = apply_rotary(k, positions, self.inverse_frequencies)
+        cos = self.rotary_cos[positions].unsqueeze(1).to(x.dtype)  # B×1×n×d
+        sin = self.rotary_sin[positions].unsqueeze(1).to(x.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys = k if past_key is None else torch.cat([past_key, k], dim=2)
         values = v if past_value is None else torch.cat([past_value, v], dim=2)
         out = F.scaled_dot_product_attention(

@@ -1,5 +1,5 @@
-"""Pre-packed linear weights (eval/kernels.py): the same outputs, the same module, and plain
-PyTorch wherever a gradient is needed."""
+"""eval/kernels.py: pre-packed linear weights give the same outputs, keep the module, and fall
+back to plain PyTorch wherever a gradient is needed; compiled steps decode the same tokens."""
 
 from __future__ import annotations
 
@@ -48,3 +48,33 @@ def test_greedy_speculative_equals_plain_on_a_packed_target():
     head = build_head("eagle", {}, target.spec, target_weights(target)).eval()
     drafter = FeatureHeadDrafter(head, DynamicTree(depth=3, top_k=3, total_tokens=8))
     assert speculative_generate(TargetRunner(target), drafter, prompt, 24, Sampling(), ()).tokens == expected
+
+
+def test_compiled_steps_decode_the_same_tokens_and_drafts():
+    """``compile: true`` (the target's decoder and the head's step through torch.compile) changes
+    how fast, not what: the same greedy tokens as uncompiled plain decoding, and the same drafts
+    (greedy equality alone is blind to a drafter that drafts differently)."""
+    target = tiny_random_target(seed=0)
+    prompt = torch.randint(3, target.spec.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
+    expected = plain_generate(TargetRunner(target), prompt, 24, Sampling(), ()).tokens
+    torch.manual_seed(1)
+    head = build_head("eagle", {}, target.spec, target_weights(target)).eval()
+    with torch.no_grad():  # away from the near-identity of a fresh init, so drafts vary
+        for parameter in head.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    shape = DynamicTree(depth=3, top_k=3, total_tokens=8)
+    eager, compiled = FeatureHeadDrafter(head, shape), FeatureHeadDrafter(head, shape, compile=True)
+    runner = TargetRunner(target, compile=True)
+    assert plain_generate(runner, prompt, 24, Sampling(), ()).tokens == expected
+    assert speculative_generate(runner, compiled, prompt, 24, Sampling(), ()).tokens == expected
+
+    output = TargetRunner(target).prefill(prompt)
+    root = int(output.logits[-1].argmax())
+    drafts = []
+    for drafter in (eager, compiled):
+        drafter.reset()
+        drafter.commit(prompt.tolist(), output, root)
+        drafts.append(drafter.draft(root, Sampling()))
+    torch.testing.assert_close(compiled.root_log_probs, eager.root_log_probs)
+    assert torch.equal(drafts[0].tokens, drafts[1].tokens)
+    assert torch.equal(drafts[0].tree.parents, drafts[1].tree.parents)
