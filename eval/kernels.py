@@ -40,7 +40,13 @@ class PackedLinear(nn.Linear):
     packed_weight: Tensor
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.device.type != "cpu" or x.dtype != self.packed_weight.dtype or torch.is_grad_enabled():
+        # Under torch.compile inductor lowers the linear itself (it cannot lower the packed op).
+        if (
+            x.device.type != "cpu"
+            or x.dtype != self.packed_weight.dtype
+            or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+        ):
             return super().forward(x)
         rows = x.reshape(-1, x.shape[-1])
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
@@ -77,7 +83,8 @@ def compiled_step(step: Step) -> Step:
     would recompile per step. CUDA graphs ("reduce-overhead") need static shapes — an attention
     over the whole preallocated cache — which the runner does not have yet, so they are not used.
 
-    Measured on a 2-core AVX2 EPYC (SmolLM2 fp32, 2 threads): compiling the target took ~8 min
-    and its plain step went from 83 ms (packed weights) to 143 ms, which is why ``compile`` is
-    off by default (conf/bench.yaml)."""
+    Packed linears (:class:`PackedLinear`) run as plain linears inside a compiled step. Measured
+    on a 2-core AVX2 EPYC (SmolLM2 fp32, 2 threads): compiling the target took ~8 min and its
+    plain step went from 83 ms (eager, packed weights) to 143 ms, which is why ``compile`` is off
+    by default (conf/bench.yaml)."""
     return torch.compile(step, dynamic=True)

@@ -13,6 +13,11 @@ Stages (``--stages`` picks some):
 * ``curve``     — every ``CURVE_EVERY``-th step's checkpoint of the quickstart runs in ``CURVE_RUNS``
   (256, 512 and 768 regenerated conversations), benched together at T=0: τ against training time,
   at three amounts of data;
+* ``decoder``   — the decoder's own speed: ONE ``specdraft-bench methods=decoder`` run (plain
+  decoding, HF generate, HF prompt lookup, a head as a 3-chain, as the 12-node EAGLE-2 tree and
+  with ``shape: auto``) on 16 MT-bench first turns, 128 new tokens, T=0, with draft / verify /
+  bookkeeping ms per step (``--decoder-checkpoint``: the head; ``--decoder-provenance``: how it
+  was trained, written into the snapshot);
 * ``doc``       — docs/results.md and docs/results_curve.png from the JSON the stages wrote.
 
 The numbers in the doc are read from those JSON files only.
@@ -178,6 +183,24 @@ def bench(per_category: int) -> None:
     )
 
 
+def decoder(checkpoint: str | None, per_category: int) -> None:
+    if checkpoint is None:
+        raise SystemExit("the decoder stage needs --decoder-checkpoint (a trained EAGLE head)")
+    command(
+        "specdraft-bench",
+        "methods=decoder",
+        f"checkpoint={checkpoint}",
+        "run_name=decoder",
+        f"paths.log_dir={RESULTS}",
+        f"prompts.path={MT_BENCH}",
+        f"prompts.per_category={per_category}",
+        "prompts.max_turns=1",
+        "max_new_tokens=128",
+        "temperatures=[0.0]",
+        "progress=false",
+    )
+
+
 def curve(per_category: int) -> None:
     """Every curve checkpoint of the quickstart runs in CURVE_RUNS, benched together at T=0."""
     methods = []
@@ -200,7 +223,7 @@ def curve(per_category: int) -> None:
     )
 
 
-def doc() -> None:
+def doc(decoder_provenance: str | None = None) -> None:
     """Snapshot the runs found under LOG_DIR into docs/results/, then render docs/results.md (and
     results_curve.png) from the snapshots.
 
@@ -208,7 +231,7 @@ def doc() -> None:
     any clone. A section whose snapshot is missing keeps the text it had (its runs' outputs may be
     gone with the machine that made them); one never measured says how to measure it.
     """
-    snapshot_runs()
+    snapshot_runs(decoder_provenance)
     previous = sections(DOCS / "results.md")
     lines = [
         "# Results",
@@ -221,6 +244,11 @@ def doc() -> None:
         (QUICKSTART_TITLE, quickstart_section, "make quickstart"),
         (ABLATION_TITLE, ablation_section, "python scripts/results.py --stages ablation bench doc"),
         (CURVE_TITLE, curve_section, "python scripts/results.py --stages curve doc"),
+        (
+            DECODER_TITLE,
+            decoder_section,
+            "python scripts/results.py --stages decoder doc --decoder-checkpoint <head>",
+        ),
     ):
         body = render()
         if body is None:
@@ -249,7 +277,7 @@ def sections(path: Path) -> dict[str, list[str]]:
 TRAINING_KEYS = ("global_step", "tokens_seen", "fit_seconds", "best_sim_tau")
 
 
-def snapshot_runs() -> None:
+def snapshot_runs(decoder_provenance: str | None = None) -> None:
     """docs/results/<section>.json for every run whose outputs are under LOG_DIR."""
     for run, (directory, _) in QUICKSTART_RUNS.items():
         report = read_json(LOG_DIR / "bench" / run / "report.json")
@@ -277,10 +305,23 @@ def snapshot_runs() -> None:
             for run in CURVE_RUNS
         }
         write_json_atomic(SNAPSHOTS / "curve.json", {"report": compact(report), "runs": runs})
+    report = read_json(RESULTS / "bench" / "decoder" / "report.json")
+    if report is not None:
+        previous = read_json(SNAPSHOTS / "decoder.json") or {}
+        snapshot = {
+            **compact(report),
+            "methods": report["methods"],  # shape: auto's choice, predictions and latency probe
+            "head": {
+                "checkpoint": Path(report["config"]["checkpoint"]).name,
+                "provenance": decoder_provenance or previous.get("head", {}).get("provenance"),
+            },
+        }
+        write_json_atomic(SNAPSHOTS / "decoder.json", snapshot)
 
 
 def compact(report: dict) -> dict:
-    """A bench report without per-category numbers or local paths."""
+    """A bench report without per-category numbers or local paths (the report.json schema, less
+    those)."""
     prompts, config = report["config"]["prompts"], report["config"]
     return {
         "machine": report["machine"],
@@ -389,6 +430,9 @@ SEPARATOR = "|---|---|---|---|---|---|---|"
 QUICKSTART_TITLE = "## Quickstart (`make quickstart`)"
 ABLATION_TITLE = "## Ablation: the same data, the same training budget"
 CURVE_TITLE = "## τ vs training time and data"
+DECODER_TITLE = "## The decoder's own speed (`specdraft-bench methods=decoder`)"
+# the dynamic tree the decoder issue measures drafting overhead on (conf/methods/decoder.yaml)
+DECODER_TREE = "head_dynamic"
 
 
 def prompts_line(report: dict) -> str:
@@ -505,6 +549,83 @@ def curve_section() -> list[str] | None:
     return lines
 
 
+def shape_text(shape: dict) -> str:
+    """A tree shape as it is written in a method's config, kind first: ``{kind: chain, depth: 1}``
+    (snapshots store keys sorted)."""
+    fields = {"kind": shape.get("kind"), **{k: v for k, v in shape.items() if k != "kind"}}
+    return "{" + ", ".join(f"{key}: {value}" for key, value in fields.items()) + "}"
+
+
+def decoder_section() -> list[str] | None:
+    snapshot = read_json(SNAPSHOTS / "decoder.json")
+    if snapshot is None:
+        return None
+    results = snapshot["results"]["T=0"]
+    plain = results["plain"]["overall"]
+    plain_step = next(
+        (e["overall"].get("plain_step_ms") for e in results.values() if "plain_step_ms" in e["overall"]), None
+    )
+    head = snapshot["head"]
+    lines = [
+        f"Machine: {machine_line(snapshot)}. Prompts: {prompts_line(snapshot)}, T=0, every method",
+        "interleaved per question in one run. Head: "
+        f"`{head['checkpoint']}` — {head.get('provenance') or 'provenance not recorded'}.",
+        "",
+        "| method | tok/s | × plain | τ | nodes | draft ms | verify ms | bookkeeping ms | "
+        "(draft + bookkeeping) / plain step | identical to plain |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for method, entry in results.items():
+        o, lossless = entry["overall"], entry.get("lossless") or {}
+        steps = "draft_ms" in o and method != "plain"
+        cells = [
+            method,
+            f"{o['tokens_per_s']:.2f}",
+            f"{o['speedup']:.3f}×" if "speedup" in o else "1×",
+            f"{o['tau']:.2f}" if steps else "–",
+            f"{o['mean_nodes']:.1f}" if steps else "–",
+            f"{o['draft_ms']:.1f}" if steps else "–",
+            f"{o['verify_ms']:.1f}" if "verify_ms" in o else "–",
+            f"{o['bookkeeping_ms']:.1f}" if steps else "–",
+            f"{(o['draft_ms'] + o['bookkeeping_ms']) / plain_step:.2f}" if steps and plain_step else "–",
+            f"{lossless['exact_turns']}/{lossless['turns_compared']}" if lossless else "–",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Plain decoding: {plain['tokens_per_s']:.2f} tok/s; its step (verify ms) {plain_step or 0:.1f} ms.",
+    ]
+    for method, details in snapshot.get("methods", {}).items():
+        choice = details.get("auto_shape")
+        if not choice:
+            continue
+        chosen = choice["chosen"]
+        measured = choice.get("measured_tokens_per_s")
+        lines += [
+            "",
+            f"`{method}` (`shape: auto`) chose `{shape_text(chosen)}`: "
+            f"predicted {choice['predicted_tokens_per_s']:.2f} tok/s"
+            + (f", {measured:.2f} tok/s decoding the calibration prompts" if measured else "")
+            + f", {results[method]['overall']['tokens_per_s']:.2f} tok/s in this benchmark. "
+            f"Verify latency probe: plain step {choice['latency']['plain_ms']:.1f} ms, "
+            + ", ".join(
+                f"{n} nodes {ms:.1f}"
+                for n, ms in sorted(choice["latency"]["verify_ms"].items(), key=lambda x: int(x[0]))
+            )
+            + " ms. Candidates (predicted / measured tok/s, τ on held-out ShareGPT):",
+            "",
+        ]
+        for prediction in choice["predictions"]:
+            measured = prediction.get("measured_tokens_per_s")
+            lines.append(
+                f"- `{shape_text(prediction['shape'])}`: {prediction['predicted_tokens_per_s']:.2f}"
+                + (f" / {measured:.2f}" if measured else "")
+                + f", τ {prediction['tokens_per_step']:.2f}"
+            )
+    lines.append("")
+    return lines
+
+
 def plot_curve(curves: dict[str, list[tuple[float, float]]]) -> None:
     """One line per legend label: (training minutes, τ) points."""
     import matplotlib
@@ -532,6 +653,8 @@ def main() -> None:
     parser.add_argument("--stages", nargs="+", default=["ablation", "bench", "curve", "doc"])
     parser.add_argument("--budget", default="00:00:10:00", help="training wall-clock per ablation run")
     parser.add_argument("--per-category", type=int, default=2, help="MT-bench questions per category")
+    parser.add_argument("--decoder-checkpoint", help="the head the decoder stage benches")
+    parser.add_argument("--decoder-provenance", help="how that head was trained (kept in the snapshot)")
     args = parser.parse_args()
     started = time.perf_counter()
     for stage in args.stages:
@@ -541,8 +664,10 @@ def main() -> None:
             bench(args.per_category)
         elif stage == "curve":
             curve(args.per_category)
+        elif stage == "decoder":
+            decoder(args.decoder_checkpoint, args.per_category)
         elif stage == "doc":
-            doc()
+            doc(args.decoder_provenance)
         else:
             parser.error(f"unknown stage {stage!r}")
     print(f"done in {(time.perf_counter() - started) / 60:.1f} min on {platform.node() or 'this machine'}")

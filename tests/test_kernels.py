@@ -55,6 +55,7 @@ def test_compiled_steps_decode_the_same_tokens_and_drafts():
     how fast, not what: the same greedy tokens as uncompiled plain decoding, and the same drafts
     (greedy equality alone is blind to a drafter that drafts differently)."""
     target = tiny_random_target(seed=0)
+    pack_linear_weights(target.model)  # as the bench runs it: packed, and compiled on request
     prompt = torch.randint(3, target.spec.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
     expected = plain_generate(TargetRunner(target), prompt, 24, Sampling(), ()).tokens
     torch.manual_seed(1)
@@ -62,6 +63,7 @@ def test_compiled_steps_decode_the_same_tokens_and_drafts():
     with torch.no_grad():  # away from the near-identity of a fresh init, so drafts vary
         for parameter in head.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.05)
+    pack_linear_weights(head)
     shape = DynamicTree(depth=3, top_k=3, total_tokens=8)
     eager, compiled = FeatureHeadDrafter(head, shape), FeatureHeadDrafter(head, shape, compile=True)
     runner = TargetRunner(target, compile=True)

@@ -96,3 +96,75 @@ def test_doc_renders_from_snapshots_and_keeps_what_it_cannot_reread(results, tmp
     shutil.rmtree(results.LOG_DIR)
     results.doc()
     assert (docs / "results.md").read_text() == text
+
+
+def test_decoder_section_reports_overheads_against_the_plain_step_and_the_auto_choice(results, tmp_path):
+    step = {"draft_ms": 15.0, "verify_ms": 120.0, "bookkeeping_ms": 5.0, "plain_step_ms": 80.0}
+    report = {
+        "machine": {
+            "time": "2026-11-23T19:00:00",
+            "processor": "x86_64",
+            "hardware": {"name": "AMD EPYC", "cpu_flags": ["avx2"]},
+            "cpu_count": 2,
+            "threads": 2,
+            "torch": "2.13.0+cpu",
+            "platform": "Linux",
+        },
+        "config": {
+            "prompts": {"per_category": 2, "max_turns": 1, "path": "/somewhere"},
+            "max_new_tokens": 128,
+            "checkpoint": "/tmp/heads/eagle-step300.ckpt",
+        },
+        "methods": {
+            "plain": {"type": "plain", "lossless": True},
+            "head_auto": {
+                "type": "head",
+                "lossless": True,
+                "auto_shape": {
+                    "chosen": {"kind": "chain", "depth": 1},
+                    "predicted_tokens_per_s": 14.4,
+                    "measured_tokens_per_s": 12.5,
+                    "latency": {"plain_ms": 78.0, "verify_ms": {"12": 117.0, "2": 81.0}},
+                    "predictions": [
+                        {
+                            "shape": {"kind": "chain", "depth": 1},
+                            "predicted_tokens_per_s": 14.4,
+                            "measured_tokens_per_s": 12.5,
+                            "tokens_per_step": 1.25,
+                        },
+                        {"shape": {"kind": "plain"}, "predicted_tokens_per_s": 12.8, "tokens_per_step": 1.0},
+                    ],
+                },
+            },
+        },
+        "results": {
+            "T=0": {
+                "plain": {"overall": {"tokens_per_s": 12.0, "verify_ms": 80.0}},
+                "head_dynamic": {
+                    "overall": {"tokens_per_s": 9.0, "speedup": 0.75, "tau": 1.5, "mean_nodes": 12.0, **step},
+                    "lossless": {"exact_turns": 16, "turns_compared": 16},
+                },
+                "head_auto": {
+                    "overall": {"tokens_per_s": 12.3, "speedup": 1.025, "tau": 1.2, "mean_nodes": 2.0, **step}
+                },
+            }
+        },
+    }
+    write(results.RESULTS / "bench" / "decoder" / "report.json", report)
+    docs = tmp_path / "docs"
+    results.doc("300 EAGLE steps on ShareGPT")
+    text = (docs / "results.md").read_text()
+    assert "| head_dynamic | 9.00 | 0.750× | 1.50 | 12.0 | 15.0 | 120.0 | 5.0 | 0.25 | 16/16 |" in text
+    assert "| plain | 12.00 | 1× | – | – | – | 80.0 | – | – | – |" in text
+    assert "`head_auto` (`shape: auto`) chose `{kind: chain, depth: 1}`: predicted 14.40 tok/s" in text
+    assert "12.50 tok/s decoding the calibration prompts, 12.30 tok/s in this benchmark" in text
+    assert "2 nodes 81.0, 12 nodes 117.0 ms" in text  # sorted by node count
+    assert "`eagle-step300.ckpt` — 300 EAGLE steps on ShareGPT" in text
+    snapshot = json.loads((docs / "results" / "decoder.json").read_text())
+    assert (
+        snapshot["head"]["checkpoint"] == "eagle-step300.ckpt" and "path" not in snapshot["config"]["prompts"]
+    )
+
+    shutil.rmtree(results.LOG_DIR)  # the outputs are gone; the snapshot keeps the provenance too
+    results.doc()
+    assert (docs / "results.md").read_text() == text
