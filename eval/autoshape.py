@@ -343,14 +343,17 @@ def choose_shape(
     latency: VerifyLatency,
     runner: TargetRunner,
     finalists: int,
+    min_gain: float = 0.0,
     progress: bool = True,
 ) -> ShapeChoice:
     """Simulate every candidate shape (configs ``{kind: chain|static|dynamic, …}``) with the
     drafter ``make_drafter`` builds and predict its tokens/s, plain decoding included; then run
     the ``finalists`` best predictions and plain decoding for real on the calibration prompts
     (:func:`measure_decoding`) and choose the fastest measured — the prediction ranks, the
-    measurement decides (0 finalists: the best prediction). A shape the drafter refuses (a
-    Medusa head has no dynamic trees) is skipped."""
+    measurement decides (0 finalists: the best prediction). The fastest shape is chosen only if
+    it beats plain decoding by more than ``min_gain`` (0.05 = 5 %): a smaller lead is within the
+    noise of a short measurement, and plain decoding is the side that cannot lose. A shape the
+    drafter refuses (a Medusa head has no dynamic trees) is skipped."""
     plain = Prediction({"kind": PLAIN}, 1.0, 1.0, 0.0, latency.plain_s, 0.0)
     predictions, drafters = [plain], {}
     for config in tqdm(candidates, desc="shape: auto", unit="shape", disable=not progress):
@@ -362,7 +365,7 @@ def choose_shape(
         prediction = predict(config, simulate(drafter, calibrations, runner.device), latency)
         predictions.append(prediction)
         drafters[id(prediction)] = drafter
-    best = max(predictions, key=lambda p: p.tokens_per_s)
+    speed = lambda p: p.tokens_per_s  # noqa: E731
     if finalists > 0:
         ranked = sorted(predictions[1:], key=lambda p: p.tokens_per_s, reverse=True)[:finalists]
         measured = dict(
@@ -373,7 +376,10 @@ def choose_shape(
             )
         )
         predictions = [replace(p, measured_tokens_per_s=measured.get(id(p))) for p in predictions]
-        best = max((p for p in predictions if p.measured_tokens_per_s), key=lambda p: p.measured_tokens_per_s)
+        speed = lambda p: p.measured_tokens_per_s or 0.0  # noqa: E731
+    best = max(predictions[1:], key=speed, default=predictions[0])
+    if speed(best) <= (1 + min_gain) * speed(predictions[0]):
+        best = predictions[0]  # plain decoding
     for p in predictions:
         log.info(
             "shape %s: %.2f tokens/step, %.1f nodes, draft %.1f + verify %.1f + commit %.1f ms"

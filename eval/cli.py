@@ -186,6 +186,7 @@ def shape_chooser(cfg: DictConfig, target: Target) -> ShapeChooser:
             latency(),
             runner,
             settings.finalists,
+            settings.min_gain,
             cfg.progress,
         )
         write_json_atomic(path, choice.record())

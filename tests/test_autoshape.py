@@ -128,7 +128,7 @@ def test_the_choice_follows_the_costs(tiny_target):
         runner, prompts(tiny_target), greedy_continuations(runner, prompts(tiny_target), NEW_TOKENS)
     )
 
-    def choose(latency):
+    def choose(latency, min_gain=0.0):
         return choose_shape(
             lambda shape: FeatureHeadDrafter(head, shape, score_filter),
             tree_shape,
@@ -137,6 +137,7 @@ def test_the_choice_follows_the_costs(tiny_target):
             latency,
             runner,
             finalists=0,  # the prediction alone: measuring would follow the real (tiny) costs
+            min_gain=min_gain,
             progress=False,
         )
 
@@ -148,6 +149,10 @@ def test_the_choice_follows_the_costs(tiny_target):
         by_shape[json.dumps(CANDIDATES[1])].tokens_per_step
         > by_shape[json.dumps(CANDIDATES[0])].tokens_per_step
     )
+    # speculation must beat plain decoding by more than min_gain
+    gain = free.chosen.tokens_per_s / free.predictions[0].tokens_per_s - 1
+    assert choose(VerifyLatency(1.0, {2: 1.0, 64: 1.0}), min_gain=0.99 * gain).shape == free.shape
+    assert choose(VerifyLatency(1.0, {2: 1.0, 64: 1.0}), min_gain=1.01 * gain).shape == {"kind": PLAIN}
     dear = choose(VerifyLatency(1.0, {2: 10.0, 64: 40.0}))  # a verify costs 10+ plain steps
     assert dear.shape == {"kind": PLAIN}
     assert len(dear.predictions) == 1 + len(CANDIDATES)
