@@ -416,9 +416,11 @@ READING = [
     "- τ = tokens committed per target forward (accepted drafts + 1); α per depth = the share of",
     "  verify steps that reached depth d and accepted a token there. Speedup = tokens/s over plain",
     "  decoding on the same turns in the same run (interleaved per question), prefill included.",
-    "- On this CPU in bf16 one plain decoding step costs ~50–60 ms and verifying a 12 / 24-node tree",
-    "  ~1.2 / ~1.5 plain steps, plus ~10 / ~20 ms of drafting: a head needs τ above ~1.6 (12",
-    "  nodes) or ~2.0 (24 nodes) before speculation pays (the reports' draft_ms / verify_ms).",
+    "- On the AMX machine of the quickstart and ablation runs (bf16) one plain decoding step cost",
+    "  ~50–60 ms and verifying a 12 / 24-node tree ~1.2 / ~1.5 plain steps, plus ~10 / ~20 ms of",
+    "  drafting: a head needs τ above ~1.6 (12 nodes) or ~2.0 (24 nodes) before speculation pays",
+    "  (the reports' draft_ms / verify_ms). The decoder section's AVX2 machine (fp32) verifies 12",
+    "  nodes in ~1.5 plain steps.",
     '- "identical to plain" counts turns whose speculative output equals plain greedy decoding',
     "  token for token. In bf16 a tree forward rounds differently from a one-token forward, so near",
     "  ties flip and the outputs drift apart after a while; in fp32 they are equal (tested).",
@@ -575,7 +577,7 @@ def decoder_section() -> list[str] | None:
         "(draft + bookkeeping) / plain step | identical to plain |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for method, entry in results.items():
+    for method, entry in sorted(results.items(), key=lambda item: item[0] != "plain"):  # plain first
         o, lossless = entry["overall"], entry.get("lossless") or {}
         steps = "draft_ms" in o and method != "plain"
         cells = [
@@ -601,12 +603,18 @@ def decoder_section() -> list[str] | None:
             continue
         chosen = choice["chosen"]
         measured = choice.get("measured_tokens_per_s")
+        identical = (  # auto chose plain decoding: two identical methods in one run
+            " (plain decoding on its own runner: its speedup over `plain` is this run's noise "
+            "between two identical methods)"
+            if chosen.get("kind") == "plain"
+            else ""
+        )
         lines += [
             "",
             f"`{method}` (`shape: auto`) chose `{shape_text(chosen)}`: "
             f"predicted {choice['predicted_tokens_per_s']:.2f} tok/s"
             + (f", {measured:.2f} tok/s decoding the calibration prompts" if measured else "")
-            + f", {results[method]['overall']['tokens_per_s']:.2f} tok/s in this benchmark. "
+            + f", {results[method]['overall']['tokens_per_s']:.2f} tok/s in this benchmark{identical}. "
             f"Verify latency probe: plain step {choice['latency']['plain_ms']:.1f} ms, "
             + ", ".join(
                 f"{n} nodes {ms:.1f}"

@@ -157,7 +157,7 @@ def test_decoder_section_reports_overheads_against_the_plain_step_and_the_auto_c
     assert "| head_dynamic | 9.00 | 0.750× | 1.50 | 12.0 | 15.0 | 120.0 | 5.0 | 0.25 | 16/16 |" in text
     assert "| plain | 12.00 | 1× | – | – | – | 80.0 | – | – | – |" in text
     assert "`head_auto` (`shape: auto`) chose `{kind: chain, depth: 1}`: predicted 14.40 tok/s" in text
-    assert "12.50 tok/s decoding the calibration prompts, 12.30 tok/s in this benchmark" in text
+    assert "12.50 tok/s decoding the calibration prompts, 12.30 tok/s in this benchmark. " in text
     assert "2 nodes 81.0, 12 nodes 117.0 ms" in text  # sorted by node count
     assert "`eagle-step300.ckpt` — 300 EAGLE steps on ShareGPT" in text
     snapshot = json.loads((docs / "results" / "decoder.json").read_text())
