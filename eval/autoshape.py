@@ -17,11 +17,12 @@ Expected speed of a shape s (greedy decoding)::
   No target forward per shape: one prefill per calibration prompt feeds every candidate.
 
 The prediction ranks; a measurement decides: the few best predicted shapes and plain decoding
-then decode the calibration prompts for real, interleaved, and the fastest wins
-(:func:`choose_shape`). That step exists because the model's parts were measured apart: on an
-AVX2 EPYC a 2-node verify cost 1.04 plain steps back to back in the probe but 1.12 inside the
-decode loop, and held-out ShareGPT gave τ 1.25 where MT-bench gave 1.18 — enough to predict
-+13 % for a shape that ran 4 % slower than plain decoding.
+then decode the calibration prompts for real, interleaved, and the fastest wins if it beats
+plain decoding by more than a margin (:func:`choose_shape`). That step exists because the
+model's parts were measured apart: on an AVX2 EPYC a 2-node verify cost 1.04 plain steps back
+to back in the probe but 1.12 inside the decode loop, and held-out ShareGPT gave τ 1.25 where
+MT-bench gave 1.18 — enough to predict +13 % for a shape that ran 4 % slower than plain
+decoding.
 
 The choice is made at T=0 and applied at every temperature.
 """
@@ -32,7 +33,6 @@ import hashlib
 import json
 import logging
 import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -43,7 +43,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from specdraft.data.atomic import write_json_atomic
-from specdraft.eval.decode import plain_generate, speculative_generate
+from specdraft.eval.decode import device_clock, plain_generate, speculative_generate
 from specdraft.eval.drafters import Draft, Drafter, TreeShape
 from specdraft.eval.runner import TargetOutput, TargetRunner
 from specdraft.eval.sampling import Sampling
@@ -53,12 +53,6 @@ log = logging.getLogger(__name__)
 
 GREEDY = Sampling()
 PLAIN = "plain"  # the choice that drafts nothing
-
-
-def _clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 # -- the target's cost on this machine ------------------------------------------------------------
@@ -106,9 +100,9 @@ def probe_verify_latency(
     def median_seconds(forward: Callable[[], None]) -> float:
         times = []
         for _ in range(1 + repeats):
-            begin = _clock(device)
+            begin = device_clock(device)
             forward()
-            times.append(_clock(device) - begin)
+            times.append(device_clock(device) - begin)
         return statistics.median(times[1:])
 
     def plain_step() -> None:
@@ -216,16 +210,16 @@ def simulate(drafter: Drafter, calibrations: Sequence[Calibration], device: torc
         drafter.reset()
         drafter.commit(prompt, output.rows(list(range(len(prompt)))), continuation[0])
         for t in range(len(continuation) - 1):
-            begin = _clock(device)
+            begin = device_clock(device)
             draft = drafter.draft(continuation[t], GREEDY)
-            drafted = _clock(device)
+            drafted = device_clock(device)
             result.accepted.append(accepted_along(draft, continuation[t + 1 :]))
             result.nodes.append(draft.tree.num_nodes)
             result.draft_s.append(drafted - begin)
             row = len(prompt) + t
-            begin = _clock(device)
+            begin = device_clock(device)
             drafter.commit([continuation[t]], output.rows([row]), continuation[t + 1])
-            result.commit_s.append(_clock(device) - begin)
+            result.commit_s.append(device_clock(device) - begin)
     return result
 
 
@@ -261,6 +255,18 @@ class Prediction:
             "predicted_tokens_per_s": self.tokens_per_s,
             "measured_tokens_per_s": self.measured_tokens_per_s,
         }
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Prediction:
+        return cls(
+            record["shape"],
+            record["tokens_per_step"],
+            record["nodes"],
+            record["draft_ms"] / 1e3,
+            record["verify_ms"] / 1e3,
+            record["commit_ms"] / 1e3,
+            record.get("measured_tokens_per_s"),
+        )
 
 
 def predict(shape: Mapping[str, Any], simulation: Simulation, latency: VerifyLatency) -> Prediction:
@@ -298,18 +304,7 @@ class ShapeChoice:
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> ShapeChoice:
-        predictions = [
-            Prediction(
-                p["shape"],
-                p["tokens_per_step"],
-                p["nodes"],
-                p["draft_ms"] / 1e3,
-                p["verify_ms"] / 1e3,
-                p["commit_ms"] / 1e3,
-                p.get("measured_tokens_per_s"),
-            )
-            for p in record["predictions"]
-        ]
+        predictions = [Prediction.from_record(p) for p in record["predictions"]]
         return cls(record["chosen"], predictions, VerifyLatency.from_record(record["latency"]))
 
 

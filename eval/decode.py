@@ -85,7 +85,9 @@ def _check_budget(runner: TargetRunner, prompt_ids: Tensor, max_new_tokens: int,
         )
 
 
-def _sync(device: torch.device) -> float:
+def device_clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once ``device`` has finished its queued work (CUDA runs ahead of
+    the host)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -104,17 +106,17 @@ def plain_generate(
     _check_budget(runner, prompt_ids, max_new_tokens, 0)
     runner.reserve(len(prompt_ids) + max_new_tokens)
     device = runner.target.device
-    start = _sync(device)
+    start = device_clock(device)
     output = runner.prefill(prompt_ids)
-    prefill_s = _sync(device) - start
+    prefill_s = device_clock(device) - start
     tokens = [sampling.choose(output.logits[-1], generator)]
     steps = []
     while (stop := _finish(tokens, max_new_tokens, eos_ids)[1]) is None:
-        begin = _sync(device)
+        begin = device_clock(device)
         output = runner.extend(torch.tensor(tokens[-1:]))
         tokens.append(sampling.choose(output.logits[-1], generator))
-        steps.append(StepRecord(1, 0, 0, 0.0, _sync(device) - begin, 0.0))
-    return Generation(tokens, prefill_s, _sync(device) - start, stop, steps)
+        steps.append(StepRecord(1, 0, 0, 0.0, device_clock(device) - begin, 0.0))
+    return Generation(tokens, prefill_s, device_clock(device) - start, stop, steps)
 
 
 @torch.no_grad()
@@ -132,20 +134,20 @@ def speculative_generate(
     _check_budget(runner, prompt_ids, max_new_tokens, drafter.max_depth)
     runner.reserve(len(prompt_ids) + max_new_tokens + drafter.max_depth + 1)
     device = runner.target.device
-    start = _sync(device)
+    start = device_clock(device)
     output = runner.prefill(prompt_ids)
-    prefill_s = _sync(device) - start
+    prefill_s = device_clock(device) - start
     root = sampling.choose(output.logits[-1], generator)
     drafter.reset()
     drafter.commit(prompt_ids.tolist(), output, root)
     tokens, steps = [root], []
     stop = _finish(tokens, max_new_tokens, eos_ids)[1]
     while stop is None:
-        begin = _sync(device)
+        begin = device_clock(device)
         draft = drafter.draft(root, sampling, generator)
-        drafted = _sync(device)
+        drafted = device_clock(device)
         output = runner.verify(draft.tokens, draft.tree)
-        verified = _sync(device)
+        verified = device_clock(device)
         nodes, accepted_tokens, root = _accept(draft, output.logits, sampling, generator, typical)
         runner.commit(nodes)
         tokens.extend([*accepted_tokens[1:], root])
@@ -161,11 +163,11 @@ def speculative_generate(
                 len(nodes) - 1,
                 drafted - begin,
                 verified - drafted,
-                _sync(device) - verified,
+                device_clock(device) - verified,
             )
         )
     tokens, stop = _finish(tokens, max_new_tokens, eos_ids)  # cut what the last step accepted beyond the end
-    return Generation(tokens, prefill_s, _sync(device) - start, stop, steps)
+    return Generation(tokens, prefill_s, device_clock(device) - start, stop, steps)
 
 
 def _accept(

@@ -151,12 +151,12 @@ class TargetRunner:
     def __init__(self, target: Target, aux_layer_ids: Sequence[int] = (), compile: bool = False) -> None:
         self.target, self.model = target, target.model
         self.aux_layer_ids = tuple(aux_layer_ids)
-        num_layers = len(self.model.get_decoder().layers)
+        decoder = self.model.get_decoder()
+        num_layers = len(decoder.layers)
         for layer_id in self.aux_layer_ids:
             if not 0 <= layer_id < num_layers:
                 raise ValueError(f"aux layer id {layer_id} out of range 0..{num_layers - 1}")
         self.device, self.dtype = target.device, target.dtype
-        decoder = self.model.get_decoder()
         self._decoder = compiled_step(decoder) if compile else decoder
         self.cache = PositionalKVCache.for_model(self.model, self.dtype, self.device)
         # Additive tree mask rows × capacity: 0 everywhere except the current tree's block.
