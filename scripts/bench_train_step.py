@@ -1,0 +1,182 @@
+"""Training-step throughput of every head kind on the same cached features, as JSON.
+
+One process composes `specdraft-train`'s own config for each variant (experiment=…,
+datamodule=cached), builds its head, objective and optimiser as the entry point does, and times
+whole optimiser steps (objective forward + backward + AdamW step) and validation steps (the
+objective at ``train=False`` under ``no_grad``) on the same batches, the variants interleaved
+batch by batch so that a machine's drift hits all of them alike. Lightning's loop and the data
+loader are left out: they are the same for every head, and this measures what the head costs.
+
+    python scripts/bench_train_step.py --train-cache DIR --val-cache DIR --out bench.json
+    PYTHONPATH=/path/to/other/checkout python scripts/bench_train_step.py …   # another version
+
+Reports per variant the median training and validation tokens/s (real tokens of the batch, as
+``train/tokens`` counts them), and the machine (CPU model and flags, threads, precision).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_module
+from hydra.utils import instantiate
+
+from specdraft.data.hardware import detect_hardware, start
+from specdraft.train.cli import build_training_head
+from specdraft.train.losses import LossWeights
+from specdraft.train.objective import DraftObjective
+from specdraft.train.rollout import RolloutConfig
+
+VARIANTS = {
+    "eagle": ["experiment=eagle"],
+    "hass": ["experiment=hass"],
+    "eagle3": ["experiment=eagle3"],
+    "hass_eagle3": ["experiment=hass_eagle3"],
+    "medusa": ["experiment=medusa"],
+}
+
+
+def build(name: str, overrides: list[str], args: argparse.Namespace):
+    with initialize_config_module(config_module="specdraft.conf", version_base="1.3"):
+        cfg = compose(
+            config_name="train",
+            overrides=[
+                *overrides,
+                "datamodule=cached",
+                f"datamodule.train_cache={args.train_cache}",
+                f"datamodule.val_cache={args.val_cache}",
+                f"datamodule.max_batch_tokens={args.batch_tokens}",
+                "datamodule.num_workers=0",
+                "datamodule.verify_cache=false",
+                *args.override,
+            ],
+        )
+    target = instantiate(cfg.target)
+    datamodule = instantiate(cfg.datamodule)(target=target)
+    datamodule.setup("fit")
+    head, _ = build_training_head(cfg.head, target, datamodule)
+    objective = DraftObjective(
+        LossWeights(**cfg.loss.weights), RolloutConfig(**cfg.loss.rollout), cfg.loss.eval_steps
+    )
+    optimizer = instantiate(cfg.optim)(params=[p for p in head.parameters() if p.requires_grad])
+    return cfg, head, objective, optimizer, datamodule
+
+
+def batches(datamodule, count: int, training: bool):
+    loader = datamodule.train_dataloader() if training else datamodule.val_dataloader()
+    out = []
+    for batch in loader:
+        out.append(datamodule.features_for(batch, training))
+        if len(out) == count:
+            break
+    return out
+
+
+def cast(batch, dtype):
+    for name in ("hidden", "aux", "input_hidden"):
+        value = getattr(batch, name)
+        if value is not None and value.dtype != dtype:
+            setattr(batch, name, value.to(dtype))
+    return batch
+
+
+def checkout_commit() -> str:
+    """The commit of the specdraft checkout imported (PYTHONPATH may point at another one)."""
+    package = Path(build_training_head.__code__.co_filename).resolve().parent
+    git = subprocess.run(["git", "-C", str(package), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return git.stdout.strip()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--train-cache", required=True)
+    parser.add_argument("--val-cache", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--batches", type=int, default=4, help="timed training batches per variant")
+    parser.add_argument("--repeats", type=int, default=2, help="passes over those batches")
+    parser.add_argument("--batch-tokens", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--label", default="", help="recorded as is (e.g. the checkout measured)")
+    parser.add_argument("--override", nargs="*", default=[], help="extra Hydra overrides for every variant")
+    args = parser.parse_args()
+
+    startup = start("bench_train_step", args.threads, {"dtype": "auto"}, "auto", "cpu")
+    precision = startup.precision
+    autocast = (
+        (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision.startswith("bf16") else nullcontext
+    )
+    runs = {}
+    for name in args.variants:
+        cfg, head, objective, optimizer, datamodule = build(name, VARIANTS[name], args)
+        dtype = next(head.parameters()).dtype
+        train = [cast(b, dtype) for b in batches(datamodule, args.batches, training=True)]
+        val = [cast(b, dtype) for b in batches(datamodule, 2, training=False)]
+        runs[name] = {"head": head, "objective": objective, "optimizer": optimizer, "train": train, "val": val}
+        runs[name]["record"] = {"experiment": VARIANTS[name], "train_ms": [], "val_ms": [], "tokens": []}
+
+    def train_step(run, batch):
+        with autocast():
+            out = run["objective"](run["head"], batch, train=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(run["head"].parameters(), 0.5)
+        run["optimizer"].step()
+        run["optimizer"].zero_grad(set_to_none=True)
+
+    def val_step(run, batch):
+        with torch.no_grad(), autocast():
+            run["objective"](run["head"], batch, train=False)
+
+    for run in runs.values():  # warm-up: allocator, one-off caches
+        train_step(run, run["train"][0])
+        val_step(run, run["val"][0])
+    for _ in range(args.repeats):
+        for index in range(args.batches):
+            for name, run in runs.items():
+                if index >= len(run["train"]):
+                    continue
+                batch = run["train"][index]
+                began = time.perf_counter()
+                train_step(run, batch)
+                run["record"]["train_ms"].append(1e3 * (time.perf_counter() - began))
+                run["record"]["tokens"].append(int(batch.attention_mask.sum()))
+        for name, run in runs.items():
+            for batch in run["val"]:
+                began = time.perf_counter()
+                val_step(run, batch)
+                run["record"]["val_ms"].append((1e3 * (time.perf_counter() - began), int(batch.attention_mask.sum())))
+
+    hardware = detect_hardware("cpu")
+    result = {
+        "label": args.label,
+        "commit": checkout_commit(),
+        "machine": {**hardware.record(), "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "precision": precision,
+        "batch_tokens": args.batch_tokens,
+        "variants": {},
+    }
+    for name, run in runs.items():
+        record = run["record"]
+        train_rates = [t / (ms / 1e3) for t, ms in zip(record["tokens"], record["train_ms"], strict=True)]
+        val_rates = [t / (ms / 1e3) for ms, t in record["val_ms"]]
+        result["variants"][name] = {
+            **record,
+            "train_tokens_per_s": statistics.median(train_rates),
+            "val_tokens_per_s": statistics.median(val_rates),
+        }
+        print(
+            f"{name:>12}  train {statistics.median(train_rates):8.1f} tok/s"
+            f"  val {statistics.median(val_rates):8.1f} tok/s"
+        )
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
