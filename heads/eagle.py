@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from specdraft.heads.frozen import TargetWeights
 from specdraft.heads.layers import DraftDecoderLayer, RMSNorm
 from specdraft.heads.spec import TargetSpec
-from specdraft.heads.vocab import full_vocab_maps, target_to_draft_index
+from specdraft.heads.vocab import VocabProjection, full_vocab_maps, target_to_draft_index
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,11 @@ class FeatureHead(nn.Module):
         """Draft-vocabulary ids -> target ids."""
         raise NotImplementedError
 
+    def vocab_projection(self, outputs: Tensor) -> VocabProjection:
+        """The draft logits of layer outputs S×N×H as the training objective computes them:
+        ``logits(outputs) == projection.inputs @ projection.weight.T``."""
+        raise NotImplementedError
+
     def step(
         self,
         features: Tensor,
@@ -154,6 +159,9 @@ class EagleHead(FeatureHead):
 
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         return draft_ids
+
+    def vocab_projection(self, outputs: Tensor) -> VocabProjection:
+        return VocabProjection(outputs, self.target_lm_head)
 
 
 class Eagle3Head(FeatureHead):
@@ -222,3 +230,9 @@ class Eagle3Head(FeatureHead):
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocabulary ids -> target ids."""
         return draft_ids + self.d2t[draft_ids]
+
+    def vocab_projection(self, outputs: Tensor) -> VocabProjection:
+        if self.draft_vocab_size == self.spec.vocab_size:
+            return VocabProjection(self.norm(outputs), self.lm_head.weight)
+        vocab = self.draft_to_target(torch.arange(self.draft_vocab_size, device=self.d2t.device))
+        return VocabProjection(self.norm(outputs), self.lm_head.weight, vocab, self.target_to_draft)

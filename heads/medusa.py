@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from specdraft.heads.frozen import TargetWeights
 from specdraft.heads.spec import TargetSpec
+from specdraft.heads.vocab import VocabProjection
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,15 @@ class MedusaHead(nn.Module):
         if self.config.own_lm_head:
             return self.lm_heads[k](features)
         return self.target_logits(features)
+
+    def vocab_projection(self, hidden: Tensor) -> VocabProjection:
+        """Head k's logits for the rows of ``hidden[k]`` (K×N×H, post-norm last hidden states, one
+        row of N per head) as the training objective computes them: inputs @ weight.T, with
+        weight V×H (the shared target lm_head) or K×V×H (each head's own)."""
+        features = torch.stack([self.blocks[k](hidden[k]) for k in range(self.num_heads)])
+        if self.config.own_lm_head:
+            return VocabProjection(features, torch.stack([lm_head.weight for lm_head in self.lm_heads]))
+        return VocabProjection(features, self.target_lm_head)
 
     def forward(self, hidden: Tensor) -> Tensor:
         """hidden ...×H (post-norm last hidden states) -> logits K×...×V."""

@@ -1,4 +1,4 @@
-"""EAGLE-3's reduced draft vocabulary.
+"""Draft vocabularies: EAGLE-3's reduced one, and what a head's vocabulary projection is.
 
 The draft head predicts over the ``draft_vocab_size`` most frequent assistant tokens of the
 training data. Draft id i maps to target id ``i + d2t[i]`` (d2t holds OFFSETS, the convention of
@@ -8,8 +8,37 @@ the draft can propose. Draft ids are ordered by target id, so d2t is non-decreas
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+
+@dataclass
+class VocabProjection:
+    """What a head's draft logits are, as the training objective computes them chunk by chunk:
+    ``logits = inputs @ weight.T`` (per step when ``weight`` has one matrix per step).
+
+    inputs          S×N×H   what the projection reads, one row of N per draft step / Medusa head
+    weight          V'×H    the projection (frozen target lm_head, or the head's own), or S×V'×H
+    draft_vocab     V'      target id of each draft id; None: the draft vocabulary is the target's
+    target_to_draft V       draft id of each target id, −1 outside (with ``draft_vocab``)
+    """
+
+    inputs: Tensor
+    weight: Tensor
+    draft_vocab: Tensor | None = None
+    target_to_draft: Tensor | None = None
+
+    def restricted_to(self, vocab: Tensor) -> VocabProjection:
+        """The same projection over the target ids ``vocab`` only (a reduced training vocabulary
+        for a head that drafts over the whole target vocabulary)."""
+        if self.draft_vocab is not None:
+            raise ValueError("this head already drafts over its own reduced vocabulary")
+        vocab = vocab.to(self.weight.device)
+        index = torch.full((self.weight.shape[-2],), -1, dtype=torch.long, device=vocab.device)
+        index[vocab] = torch.arange(vocab.numel(), device=vocab.device)
+        return VocabProjection(self.inputs, self.weight[..., vocab, :], vocab, index)
 
 
 def draft_vocab_from_counts(counts: Tensor, draft_vocab_size: int) -> tuple[Tensor, Tensor]:

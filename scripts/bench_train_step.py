@@ -62,9 +62,14 @@ def build(name: str, overrides: list[str], args: argparse.Namespace):
     datamodule = instantiate(cfg.datamodule)(target=target)
     datamodule.setup("fit")
     head, _ = build_training_head(cfg.head, target, datamodule)
-    objective = DraftObjective(
-        LossWeights(**cfg.loss.weights), RolloutConfig(**cfg.loss.rollout), cfg.loss.eval_steps
-    )
+    try:  # the entry point's own builder (reduced training vocabularies, chunk size)
+        from specdraft.train.cli import build_objective
+
+        objective = build_objective(cfg.loss, target, datamodule)
+    except ImportError:  # a checkout from before build_objective
+        objective = DraftObjective(
+            LossWeights(**cfg.loss.weights), RolloutConfig(**cfg.loss.rollout), cfg.loss.eval_steps
+        )
     optimizer = instantiate(cfg.optim)(params=[p for p in head.parameters() if p.requires_grad])
     return cfg, head, objective, optimizer, datamodule
 
@@ -95,7 +100,9 @@ def checkout_commit() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--train-cache", required=True)
     parser.add_argument("--val-cache", required=True)
     parser.add_argument("--out", required=True)
@@ -115,12 +122,19 @@ def main() -> None:
     )
     runs = {}
     for name in args.variants:
-        cfg, head, objective, optimizer, datamodule = build(name, VARIANTS[name], args)
+        _, head, objective, optimizer, datamodule = build(name, VARIANTS[name], args)
         dtype = next(head.parameters()).dtype
         train = [cast(b, dtype) for b in batches(datamodule, args.batches, training=True)]
         val = [cast(b, dtype) for b in batches(datamodule, 2, training=False)]
-        runs[name] = {"head": head, "objective": objective, "optimizer": optimizer, "train": train, "val": val}
-        runs[name]["record"] = {"experiment": VARIANTS[name], "train_ms": [], "val_ms": [], "tokens": []}
+        record = {"experiment": VARIANTS[name], "train_ms": [], "val_ms": [], "tokens": []}
+        runs[name] = {
+            "head": head,
+            "objective": objective,
+            "optimizer": optimizer,
+            "train": train,
+            "val": val,
+        }
+        runs[name]["record"] = record
 
     def train_step(run, batch):
         with autocast():
@@ -139,7 +153,7 @@ def main() -> None:
         val_step(run, run["val"][0])
     for _ in range(args.repeats):
         for index in range(args.batches):
-            for name, run in runs.items():
+            for run in runs.values():
                 if index >= len(run["train"]):
                     continue
                 batch = run["train"][index]
@@ -147,11 +161,12 @@ def main() -> None:
                 train_step(run, batch)
                 run["record"]["train_ms"].append(1e3 * (time.perf_counter() - began))
                 run["record"]["tokens"].append(int(batch.attention_mask.sum()))
-        for name, run in runs.items():
+        for run in runs.values():
             for batch in run["val"]:
                 began = time.perf_counter()
                 val_step(run, batch)
-                run["record"]["val_ms"].append((1e3 * (time.perf_counter() - began), int(batch.attention_mask.sum())))
+                elapsed_ms = 1e3 * (time.perf_counter() - began)
+                run["record"]["val_ms"].append((elapsed_ms, int(batch.attention_mask.sum())))
 
     hardware = detect_hardware("cpu")
     result = {

@@ -141,3 +141,38 @@ def test_frozen_projection_gets_no_gradient():
             [1.0],
             LossWeights(topk=1.0),
         )
+
+
+def test_per_step_projections_and_no_grad():
+    """S×V×H weights (Medusa heads with their own lm_heads): step j reads weight j, and its
+    gradient goes to weight j only. Under no_grad the values are the same and nothing is kept."""
+    torch.manual_seed(1)
+    steps, n, h, vocab_size = 2, 9, 6, 11
+    dtype = torch.float64
+    hidden = torch.randn(steps, n, h, dtype=dtype, requires_grad=True)
+    weight = torch.randn(steps, vocab_size, h, dtype=dtype, requires_grad=True)
+    target_hidden, target_weight = torch.randn(n, h, dtype=dtype), torch.randn(vocab_size, h, dtype=dtype)
+    valid = torch.rand(steps, n) > 0.3
+    labels = torch.randint(0, vocab_size, (n,))
+    weights, step_weights = LossWeights(soft_ce=0.5, ce=1.0), [1.0, 0.8]
+    unused = torch.zeros(n, 1, dtype=torch.long), torch.zeros(n, 1, dtype=dtype)
+    expected = sum(
+        reference(
+            hidden[j : j + 1], weight[j], target_hidden, target_weight, valid[j : j + 1],
+            [step_weights[j]], weights, None, None, *unused, labels,
+        )[0]
+        for j in range(steps)
+    )  # fmt: skip
+    expected_grads = torch.autograd.grad(expected, [hidden, weight])
+    arguments = (hidden, weight, target_hidden, target_weight, valid, step_weights, weights)
+    out = fused_vocab_losses(*arguments, labels=labels, chunk_size=4)
+    torch.testing.assert_close(out.loss.double(), expected.double(), rtol=1e-6, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(out.loss, [hidden, weight]), expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        evaluated = fused_vocab_losses(*arguments, labels=labels, chunk_size=4)
+    assert evaluated.loss.grad_fn is None
+    torch.testing.assert_close(evaluated.loss, out.loss.detach())
+    torch.testing.assert_close(evaluated.terms, out.terms)
+    with pytest.raises(ValueError, match="3 per-step draft weights for 2 steps"):
+        fused_vocab_losses(hidden, torch.randn(3, vocab_size, h, dtype=dtype), *arguments[2:])

@@ -128,3 +128,28 @@ def test_cached_and_recomputed_topk_agree(tiny_target, features):
     torch.testing.assert_close(cached, recomputed)
     with pytest.raises(ValueError, match="top-4"):
         DraftObjective(LossWeights(topk=1.0, topk_k=5), RolloutConfig())(head, features)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_reduced_training_vocabulary(tiny_target, features, kind):
+    """draft_vocab restricts the vocabulary terms of heads that draft over the target vocabulary:
+    the whole vocabulary as a "reduction" changes nothing; a real one trains only where the
+    target's argmax lies inside it. EAGLE-3 has its own reduced vocabulary and refuses one."""
+    weights = LossWeights(soft_ce=1.0, ce=0.5, topk=0.5, topk_k=3)
+    rollout = RolloutConfig(steps=2, step_weight_base=0.5)
+    results = []
+    vocab_size = tiny_target.spec.vocab_size
+    for draft_vocab in (None, torch.arange(vocab_size), torch.arange(0, vocab_size, 2)):
+        torch.manual_seed(0)
+        head = build(kind, tiny_target)
+        out = DraftObjective(weights, rollout, draft_vocab=draft_vocab)(head, features)
+        out.loss.backward()
+        results.append((out, [p.grad.clone() for p in head.parameters() if p.grad is not None]))
+    (full, full_grads), (same, same_grads), (half, _) = results
+    torch.testing.assert_close(same.loss, full.loss)
+    for got, want in zip(same_grads, full_grads, strict=True):
+        torch.testing.assert_close(got, want)
+    assert half.counts == full.counts and torch.isfinite(half.loss)
+    assert half.loss.item() != pytest.approx(full.loss.item())
+    with pytest.raises(ValueError, match=r"loss\.draft_vocab_size: this head already drafts"):
+        DraftObjective(weights, rollout, draft_vocab=torch.arange(10))(build("eagle3", tiny_target), features)

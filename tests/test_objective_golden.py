@@ -4,8 +4,8 @@ gradient of every trained parameter, per experiment, on one fixed batch of the t
 ``tests/golden/objective.safetensors`` was written by the objective of commit 0ebd256 (before the
 training-speed work of issue 20) with ``python tests/test_objective_golden.py``; a faster
 objective must reproduce it. Regenerate it only for an intended change of what is trained, and
-say so in the commit. Everything runs in float64 and is stored in float32, so the tolerance only absorbs rounding and
-summation order.
+say so in the commit. Everything runs in float64 and is stored in float32, so the tolerance only
+absorbs rounding and summation order.
 """
 
 from __future__ import annotations
@@ -31,14 +31,19 @@ EVAL_STEPS = 4
 REDUCED_VOCAB = 40  # of the tiny target's vocabulary: some supervised argmaxes fall outside it
 
 # The loss settings of conf/loss/*.yaml (with K = TOP_K), frozen here: these are inputs of the golden file.
+K = TOP_K
 EXPERIMENTS = {
     "eagle": ("eagle", LossWeights(feature=1.0, soft_ce=0.1), RolloutConfig(1, 1.0, True)),
-    "hass": ("eagle", LossWeights(feature=1.0, soft_ce=0.1, topk=1.0, topk_k=TOP_K), RolloutConfig(3, 0.5, True)),
+    "hass": ("eagle", LossWeights(feature=1.0, soft_ce=0.1, topk=1.0, topk_k=K), RolloutConfig(3, 0.5, True)),
     "eagle3": ("eagle3", LossWeights(soft_ce=1.0), RolloutConfig(3, 0.8, False)),
-    "hass_eagle3": ("eagle3", LossWeights(soft_ce=1.0, topk=1.0, topk_k=TOP_K), RolloutConfig(3, 0.5, True)),
+    "hass_eagle3": ("eagle3", LossWeights(soft_ce=1.0, topk=1.0, topk_k=K), RolloutConfig(3, 0.5, True)),
     "medusa": ("medusa", LossWeights(ce=1.0), RolloutConfig(1, 0.8, True)),
-    "medusa_own_topk": ("medusa_own", LossWeights(ce=1.0, topk=0.5, topk_k=TOP_K), RolloutConfig(1, 0.8, True)),
-    "eagle_forward_kl": ("eagle", LossWeights(feature=0.5, forward_kl=1.0, ce=0.3), RolloutConfig(2, 1.0, True)),
+    "medusa_own_topk": ("medusa_own", LossWeights(ce=1.0, topk=0.5, topk_k=K), RolloutConfig(1, 0.8, True)),
+    "eagle_forward_kl": (
+        "eagle",
+        LossWeights(feature=0.5, forward_kl=1.0, ce=0.3),
+        RolloutConfig(2, 1.0, True),
+    ),
 }
 
 

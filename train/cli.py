@@ -32,6 +32,7 @@ from specdraft.data.target import Target, target_weights
 from specdraft.heads.registry import build_head
 from specdraft.heads.vocab import draft_vocab_from_counts
 from specdraft.train.callbacks import ThroughputMonitor, peak_memory_bytes
+from specdraft.train.fused import DEFAULT_CHUNK_SIZE
 from specdraft.train.loggers import finish_loggers
 from specdraft.train.losses import LossWeights
 from specdraft.train.module import DraftHeadModule
@@ -64,9 +65,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     sources = {"conversations": instantiate(cfg.data.source)} if cfg.datamodule.mode == "online" else {}
     datamodule: FeatureDataModule = instantiate(cfg.datamodule)(target=target, **sources)
     head, record = build_training_head(cfg.head, target, datamodule)
-    objective = DraftObjective(
-        LossWeights(**cfg.loss.weights), RolloutConfig(**cfg.loss.rollout), cfg.loss.eval_steps
-    )
+    objective = build_objective(cfg.loss, target, datamodule)
     module = DraftHeadModule(
         head,
         objective,
@@ -120,6 +119,23 @@ def build_training_head(head_cfg: DictConfig, target: Target, datamodule: Featur
     head = build_head(head_cfg.kind, config, target.spec, target_weights(target), d2t, t2d)
     record = {"kind": head_cfg.kind, "config": config, "target_spec": target.spec.to_dict()}
     return head, record
+
+
+def build_objective(loss_cfg: DictConfig, target: Target, datamodule: FeatureDataModule) -> DraftObjective:
+    """The objective of ``loss_cfg``; a reduced training vocabulary (``draft_vocab_size``) is the
+    most frequent assistant tokens of the training split, chosen as EAGLE-3's is."""
+    draft_vocab = None
+    size = loss_cfg.get("draft_vocab_size")
+    if size is not None and size < target.spec.vocab_size:
+        d2t, _ = draft_vocab_from_counts(datamodule.assistant_token_counts(), size)
+        draft_vocab = d2t + torch.arange(size)
+    return DraftObjective(
+        LossWeights(**loss_cfg.weights),
+        RolloutConfig(**loss_cfg.rollout),
+        loss_cfg.eval_steps,
+        chunk_size=loss_cfg.get("chunk_size", DEFAULT_CHUNK_SIZE),
+        draft_vocab=draft_vocab,
+    )
 
 
 def count(module: torch.nn.Module) -> int:

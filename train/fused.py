@@ -10,8 +10,10 @@ hidden states and the draft vocabulary projection in closed form,
     d loss / d logits = (Σ_v w_v) · softmax(logits) − w,
     w = c_soft·p + c_kl·p + c_topk·(p on the target's top-K) + c_ce·onehot(label),
 
-so nothing vocabulary-sized outlives a chunk. The values and gradients equal those of the
-reference terms in ``losses.py`` (tested); ``feature`` (SmoothL1) is small and stays outside.
+so nothing vocabulary-sized outlives a chunk. When no gradient is wanted (validation under
+``no_grad``) the gradient matmuls are skipped: they are half the work. The values and gradients
+equal those of the reference terms in ``losses.py`` (tested); ``feature`` (SmoothL1) is small and
+stays outside.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def fused_vocab_losses(
     """Loss terms over S draft steps at N positions.
 
     draft_hidden    S×N×H  what the draft's vocabulary projection reads (grad)
-    draft_weight    V'×H   that projection (a trainable lm_head, or the frozen target one)
+    draft_weight    V'×H   that projection (a trainable lm_head, or the frozen target one), or
+                    S×V'×H one per step (Medusa heads with their own lm_heads)
     target_hidden   N×H    the target's last hidden state whose next-token distribution p is the
                            target at each position; target_weight V×H its lm_head
     step_valid      S×N    positions each step is evaluated at
@@ -71,10 +74,14 @@ def fused_vocab_losses(
     """
     if (draft_vocab is None) != (target_to_draft is None):
         raise ValueError("draft_vocab and target_to_draft go together")
+    if draft_weight.dim() == 3 and draft_weight.shape[0] != draft_hidden.shape[0]:
+        raise ValueError(f"{draft_weight.shape[0]} per-step draft weights for {draft_hidden.shape[0]} steps")
+    wants_grad = torch.is_grad_enabled() and (draft_hidden.requires_grad or draft_weight.requires_grad)
     return FusedOutput(
         *_FusedVocabLosses.apply(
             draft_hidden,
             draft_weight,
+            wants_grad,
             target_hidden,
             target_weight,
             step_valid,
@@ -96,6 +103,7 @@ class _FusedVocabLosses(torch.autograd.Function):
         ctx,
         draft_hidden,
         draft_weight,
+        wants_grad,
         target_hidden,
         target_weight,
         step_valid,
@@ -115,6 +123,7 @@ class _FusedVocabLosses(torch.autograd.Function):
             if coef[name] > 0 and any(x is None for x in inputs):
                 raise ValueError(f"loss term {name!r} has weight {coef[name]} but no inputs")
         w_draft = draft_weight.detach().to(compute)
+        per_step_weight = w_draft.dim() == 3
         w_target = target_weight.detach().to(target_hidden.dtype)
         reduced = draft_vocab is not None
         # Softmaxes and gradients in fp32 (fp64 when the inputs are fp64, as in the tests).
@@ -135,9 +144,11 @@ class _FusedVocabLosses(torch.autograd.Function):
 
         terms = torch.zeros(steps, len(TERMS), dtype=torch.float64, device=device)
         matches = torch.zeros(steps, dtype=torch.long, device=device)
-        grad_hidden = torch.zeros(draft_hidden.shape, dtype=acc, device=device)
+        grad_hidden = torch.zeros(draft_hidden.shape, dtype=acc, device=device) if wants_grad else None
         grad_weight = (
-            torch.zeros(draft_weight.shape, dtype=acc, device=device) if draft_weight.requires_grad else None
+            torch.zeros(draft_weight.shape, dtype=acc, device=device)
+            if wants_grad and draft_weight.requires_grad
+            else None
         )
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
@@ -168,7 +179,8 @@ class _FusedVocabLosses(torch.autograd.Function):
             neg_entropy = torch.special.xlogy(p, p).sum(-1) if coef["forward_kl"] > 0 else None
             for j in range(steps):
                 hidden = draft_hidden[j, rows].detach()
-                logits = (hidden @ w_draft.T).to(acc)
+                step_weight = w_draft[j] if per_step_weight else w_draft
+                logits = (hidden @ step_weight.T).to(acc)
                 log_q = logits.log_softmax(-1)
                 drafted = logits.argmax(-1)
                 if reduced:
@@ -185,17 +197,24 @@ class _FusedVocabLosses(torch.autograd.Function):
                 if label_ids is not None:
                     values[3] = -(log_q.gather(-1, label_ids.unsqueeze(-1)).squeeze(-1) * has_label).double()
                 terms[j] += torch.stack([(v * row_mask).sum() for v in values]) / denominators[j]
+                if not wants_grad:
+                    continue
                 # Gradient of step_weight_j · Σ_t c_t · mean_j(term_t) with respect to the logits.
                 scale = (step_weights[j] / denominators[j]).to(acc) * trained[j, rows].to(acc)
                 grad_logits = (w_total * log_q.exp() - w) * scale.unsqueeze(-1)
                 grad_logits = grad_logits.to(compute)
-                grad_hidden[j, rows] = (grad_logits @ w_draft).to(acc)
+                grad_hidden[j, rows] = (grad_logits @ step_weight).to(acc)
                 if grad_weight is not None:
-                    grad_weight += (grad_logits.T @ hidden).to(acc)
+                    grad = (grad_logits.T @ hidden).to(acc)
+                    if per_step_weight:
+                        grad_weight[j] += grad
+                    else:
+                        grad_weight += grad
         coefficients = torch.tensor([coef[name] for name in TERMS], dtype=torch.float64, device=device)
         step_scale = torch.tensor(step_weights, dtype=torch.float64, device=device)
         loss = (terms @ coefficients * step_scale).sum().float()
-        ctx.save_for_backward(grad_hidden, grad_weight if grad_weight is not None else torch.empty(0))
+        if wants_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight if grad_weight is not None else torch.empty(0))
         ctx.hidden_dtype, ctx.has_weight_grad = draft_hidden.dtype, grad_weight is not None
         ctx.weight_dtype = draft_weight.dtype
         counts = step_valid.sum(-1)
@@ -207,7 +226,7 @@ class _FusedVocabLosses(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         hidden = (grad_hidden * grad_loss).to(ctx.hidden_dtype)
         weight = (grad_weight * grad_loss).to(ctx.weight_dtype) if ctx.has_weight_grad else None
-        return hidden, weight, *([None] * 11)
+        return hidden, weight, *([None] * 12)
 
 
 @torch.no_grad()

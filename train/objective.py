@@ -20,8 +20,9 @@ import torch
 from torch import Tensor
 
 from specdraft.data.features import FeatureBatch
-from specdraft.heads import Eagle3Head, FeatureHead, MedusaHead
-from specdraft.train.fused import DEFAULT_CHUNK_SIZE, TERMS, FusedOutput, fused_vocab_losses, target_topk
+from specdraft.heads import FeatureHead, MedusaHead
+from specdraft.heads.vocab import VocabProjection
+from specdraft.train.fused import DEFAULT_CHUNK_SIZE, TERMS, fused_vocab_losses, target_topk
 from specdraft.train.losses import LossWeights, feature_regression
 from specdraft.train.rollout import RolloutConfig, rollout, shift_left
 
@@ -58,6 +59,11 @@ class DraftObjective:
     eval_steps: steps evaluated (for acc_j and simulated τ) when ``train=False``, at least
     ``rollout.steps`` (steps beyond the trained ones are measured, not added to the loss);
     Medusa always evaluates all its heads. chunk_size: positions per vocabulary chunk.
+    draft_vocab: target ids of a reduced TRAINING vocabulary for heads that draft over the whole
+    target vocabulary (EAGLE-1/2, Medusa): the vocabulary-sized terms and acc_j are computed over
+    it (the target's distribution renormalised over it, positions whose target argmax lies
+    outside it not trained on, as EAGLE-3 does), which divides their cost by V / V'; the head
+    itself, its export and the feature loss are unchanged. None: the head's own vocabulary.
     """
 
     def __init__(
@@ -66,9 +72,13 @@ class DraftObjective:
         rollout: RolloutConfig,
         eval_steps: int = 4,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
+        draft_vocab: Tensor | None = None,
     ) -> None:
+        if chunk_size < 1:
+            raise ValueError(f"loss chunk_size must be >= 1, got {chunk_size}")
         self.weights, self.rollout = weights, rollout
         self.eval_steps, self.chunk_size = max(eval_steps, rollout.steps), chunk_size
+        self.draft_vocab = draft_vocab
         self.active = [name for name in TERMS if getattr(weights, name) > 0]
 
     def __call__(self, head: torch.nn.Module, batch: FeatureBatch, train: bool = True) -> ObjectiveOutput:
@@ -92,21 +102,55 @@ class DraftObjective:
             return batch.topk_ids[b, p, :k], batch.topk_probs[b, p, :k]
         return target_topk(target_hidden, head.target_lm_head, k, self.chunk_size)
 
+    def _fused(self, projection: VocabProjection, target_hidden, head, valid, step_weights, topk, labels):
+        if self.draft_vocab is not None:
+            try:
+                projection = projection.restricted_to(self.draft_vocab)
+            except ValueError as error:
+                raise ValueError(
+                    f"loss.draft_vocab_size: {error} ({type(head).__name__}; set its head config's"
+                    " draft_vocab_size instead)"
+                ) from None
+        return fused_vocab_losses(
+            projection.inputs,
+            projection.weight,
+            target_hidden,
+            head.target_lm_head,
+            valid,
+            step_weights,
+            self.weights,
+            projection.draft_vocab,
+            projection.target_to_draft,
+            *topk,
+            labels,
+            self.chunk_size,
+        )
+
     def _output(
         self, fused, feature_terms: list[Tensor | None], step_weights: list[float]
     ) -> ObjectiveOutput:
+        # One host transfer for everything reported.
+        steps = len(step_weights)
+        features = [f.detach().reshape(1) for f in feature_terms if f is not None]
+        reported = torch.cat(
+            [fused.matches.double(), fused.counts.double(), fused.terms.double().flatten(), *features]
+        ).tolist()
+        matches, counts = reported[:steps], reported[steps : 2 * steps]
+        term_values = reported[2 * steps : 2 * steps + steps * len(TERMS)]
+        feature_values = iter(reported[2 * steps + steps * len(TERMS) :])
         output = ObjectiveOutput(
-            loss=fused.loss, matches=fused.matches.tolist(), counts=fused.counts.tolist()
+            loss=fused.loss, matches=[int(m) for m in matches], counts=[int(c) for c in counts]
         )
         coefficients = [getattr(self.weights, name) for name in TERMS]
-        for j, step_terms in enumerate(fused.terms, start=1):
-            step_loss = sum(c * v for c, v in zip(coefficients, step_terms.tolist(), strict=True))
+        for j in range(1, steps + 1):
+            step_terms = term_values[(j - 1) * len(TERMS) : j * len(TERMS)]
+            step_loss = sum(c * v for c, v in zip(coefficients, step_terms, strict=True))
             for name in self.active:
-                output.terms[f"step{j}/{name}"] = step_terms[TERMS.index(name)]
+                output.terms[f"step{j}/{name}"] = fused.terms[j - 1, TERMS.index(name)]
             feature = feature_terms[j - 1]
             if feature is not None:
                 output.terms[f"step{j}/feature"] = feature.detach()
-                step_loss += self.weights.feature * float(feature.detach())
+                step_loss += self.weights.feature * next(feature_values)
                 if step_weights[j - 1] > 0:
                     output.loss = output.loss + step_weights[j - 1] * self.weights.feature * feature
             output.terms[f"step{j}/loss"] = torch.tensor(step_loss)
@@ -134,31 +178,9 @@ class DraftObjective:
         if weights.ce > 0:
             labels = shift_left(shift_left(batch.input_ids))[b, p]
             labels = labels.masked_fill(~shift_left(shift_left(batch.attention_mask))[b, p].bool(), -1)
-        topk_ids, topk_probs = self._target_topk(batch, b, p + 1, head, target_hidden)
-        if isinstance(head, Eagle3Head) and head.draft_vocab_size != head.spec.vocab_size:
-            vocab = head.d2t + torch.arange(head.draft_vocab_size, device=p.device)
-            projection_input, projection, maps = (
-                head.norm(predicted),
-                head.lm_head.weight,
-                (vocab, head.target_to_draft),
-            )
-        elif isinstance(head, Eagle3Head):
-            projection_input, projection, maps = head.norm(predicted), head.lm_head.weight, (None, None)
-        else:
-            projection_input, projection, maps = predicted, head.target_lm_head, (None, None)
-        fused = fused_vocab_losses(
-            projection_input,
-            projection,
-            target_hidden,
-            head.target_lm_head,
-            valid,
-            step_weights,
-            weights,
-            *maps,
-            topk_ids,
-            topk_probs,
-            labels,
-            self.chunk_size,
+        topk = self._target_topk(batch, b, p + 1, head, target_hidden)
+        fused = self._fused(
+            head.vocab_projection(predicted), target_hidden, head, valid, step_weights, topk, labels
         )
         features_loss = [
             feature_regression(predicted[j][valid[j]], target_hidden[valid[j]])
@@ -169,37 +191,18 @@ class DraftObjective:
         return self._output(fused, features_loss, step_weights)
 
     def _medusa(self, head: MedusaHead, batch: FeatureBatch) -> ObjectiveOutput:
-        per_head = []
-        for k in range(head.num_heads):
-            # Head k at p predicts x_{p+2+k}; the target's distribution for it is p_{p+1+k}.
-            ahead = 2 + k
-            supervised = (batch.loss_mask[:, ahead:] * batch.attention_mask[:, ahead:]).bool()
-            b, p = supervised.nonzero(as_tuple=True)
-            hidden = head.blocks[k](batch.hidden[b, p]).unsqueeze(0)
-            projection = head.lm_heads[k].weight if head.config.own_lm_head else head.target_lm_head
-            target_hidden = batch.hidden[b, p + ahead - 1]
-            topk_ids, topk_probs = self._target_topk(batch, b, p + ahead - 1, head, target_hidden)
-            per_head.append(
-                fused_vocab_losses(
-                    hidden,
-                    projection,
-                    target_hidden,
-                    head.target_lm_head,
-                    torch.ones(1, p.numel(), dtype=torch.bool, device=p.device),
-                    [self.rollout.step_weight(k + 1)],
-                    self.weights,
-                    topk_ids=topk_ids,
-                    topk_probs=topk_probs,
-                    labels=batch.input_ids[b, p + ahead],
-                    chunk_size=self.chunk_size,
-                )
-            )
-        fused = FusedOutput(
-            loss=sum(f.loss for f in per_head),
-            terms=torch.cat([f.terms for f in per_head]),
-            matches=torch.cat([f.matches for f in per_head]),
-            counts=torch.cat([f.counts for f in per_head]),
-        )
-        return self._output(
-            fused, [None] * head.num_heads, [self.rollout.step_weight(k + 1) for k in range(head.num_heads)]
-        )
+        # Head k at p predicts x_{p+2+k}, whose target distribution is the target's at q = p+1+k.
+        # Indexing by q, every head shares the target's distribution at q (computed once per
+        # chunk), the label x_{q+1} and the top-K; head k reads the hidden state at q−1−k.
+        supervised = (shift_left(batch.loss_mask) * shift_left(batch.attention_mask)).bool()
+        b, q = supervised.nonzero(as_tuple=True)
+        ahead = torch.arange(1, head.num_heads + 1, device=q.device).unsqueeze(-1)  # K×1: 1 + k
+        valid = q >= ahead  # K×N: head k needs a position q−1−k ≥ 0 to read
+        hidden = batch.hidden[b, (q - ahead).clamp(min=0)]  # K×N×H
+        target_hidden = batch.hidden[b, q]
+        topk = self._target_topk(batch, b, q, head, target_hidden)
+        step_weights = [self.rollout.step_weight(k + 1) for k in range(head.num_heads)]
+        labels = batch.input_ids[b, q + 1] if self.weights.ce > 0 else None
+        projection = head.vocab_projection(hidden)
+        fused = self._fused(projection, target_hidden, head, valid, step_weights, topk, labels)
+        return self._output(fused, [None] * head.num_heads, step_weights)
