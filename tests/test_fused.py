@@ -115,6 +115,13 @@ def test_fused_equals_reference(reduced, chunk_size):
     for got, want in zip(grads, expected_grads, strict=True):
         # losses.py computes its softmaxes in fp32: agreement to fp32 rounding.
         torch.testing.assert_close(got, 2.0 * want, rtol=1e-5, atol=1e-6)
+    # The target's argmax given (its cached top-1) instead of computed: the same result.
+    given = fused_vocab_losses(
+        hidden, weight, target_hidden, target_weight, valid, step_weights, weights, vocab, t2d_index,
+        topk_ids, topk_probs, labels, chunk_size=chunk_size, target_argmax=topk_ids[:, 0],
+    )  # fmt: skip
+    torch.testing.assert_close(given.loss, out.loss)
+    assert given.matches.tolist() == matches
 
 
 def test_frozen_projection_gets_no_gradient():

@@ -56,6 +56,7 @@ def fused_vocab_losses(
     topk_probs: Tensor | None = None,
     labels: Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    target_argmax: Tensor | None = None,
 ) -> FusedOutput:
     """Loss terms over S draft steps at N positions.
 
@@ -71,6 +72,8 @@ def fused_vocab_losses(
     target_to_draft V      draft id of each target id, −1 outside (with draft_vocab)
     topk_ids/probs  N×K    the target's top-K (target ids) for ``topk``; labels N target ids
                            (−1: none) for ``ce``
+    target_argmax   N      the target's argmax when known (its cached top-1): with a reduced
+                           vocab the full target logits are then never computed
     """
     if (draft_vocab is None) != (target_to_draft is None):
         raise ValueError("draft_vocab and target_to_draft go together")
@@ -93,6 +96,7 @@ def fused_vocab_losses(
             topk_probs,
             labels,
             chunk_size,
+            target_argmax,
         )
     )
 
@@ -115,6 +119,7 @@ class _FusedVocabLosses(torch.autograd.Function):
         topk_probs,
         labels,
         chunk_size,
+        target_argmax_given,
     ):
         steps, n, _ = draft_hidden.shape
         device, compute = draft_hidden.device, draft_hidden.dtype
@@ -132,13 +137,18 @@ class _FusedVocabLosses(torch.autograd.Function):
         keep = torch.ones(n, dtype=torch.bool, device=device)
         target_argmax = torch.empty(n, dtype=torch.long, device=device)
         if reduced:
-            # An extra pass over the target logits, needed only for a reduced vocabulary: the
-            # positions each step trains on (target argmax inside the draft vocab) set the
-            # per-step means before any gradient is computed.
-            for start in range(0, n, chunk_size):
-                rows = slice(start, start + chunk_size)
-                target_argmax[rows] = (target_hidden[rows] @ w_target.T).argmax(-1)
+            # The positions each step trains on (target argmax inside the draft vocab) set the
+            # per-step means before any gradient is computed. The argmax is the cached top-1
+            # when there is one; else it costs one extra pass over the full target logits.
+            if target_argmax_given is not None:
+                target_argmax = target_argmax_given
+            else:
+                for start in range(0, n, chunk_size):
+                    rows = slice(start, start + chunk_size)
+                    target_argmax[rows] = (target_hidden[rows] @ w_target.T).argmax(-1)
             keep = target_to_draft[target_argmax] >= 0
+            # From here on only the draft vocabulary's rows of the target lm_head are needed.
+            w_target = w_target[draft_vocab]
         trained = step_valid & keep  # S×N
         denominators = trained.sum(-1).clamp(min=1).double()
 
@@ -152,10 +162,9 @@ class _FusedVocabLosses(torch.autograd.Function):
         )
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
-            target_logits = (target_hidden[rows] @ w_target.T).to(acc)
-            target_argmax[rows] = target_logits.argmax(-1)
-            if reduced:
-                target_logits = target_logits[:, draft_vocab]
+            target_logits = (target_hidden[rows] @ w_target.T).to(acc)  # c×V'
+            if not reduced:
+                target_argmax[rows] = target_logits.argmax(-1)
             p = target_logits.softmax(-1)  # c×V'
             # w without the per-step scaling: the target side is the same for every step.
             w = (coef["soft_ce"] + coef["forward_kl"]) * p
@@ -226,7 +235,7 @@ class _FusedVocabLosses(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         hidden = (grad_hidden * grad_loss).to(ctx.hidden_dtype)
         weight = (grad_weight * grad_loss).to(ctx.weight_dtype) if ctx.has_weight_grad else None
-        return hidden, weight, *([None] * 12)
+        return hidden, weight, *([None] * 13)
 
 
 @torch.no_grad()

@@ -102,7 +102,22 @@ class DraftObjective:
             return batch.topk_ids[b, p, :k], batch.topk_probs[b, p, :k]
         return target_topk(target_hidden, head.target_lm_head, k, self.chunk_size)
 
-    def _fused(self, projection: VocabProjection, target_hidden, head, valid, step_weights, topk, labels):
+    @staticmethod
+    def _cached_argmax(batch: FeatureBatch, b: Tensor, p: Tensor) -> Tensor | None:
+        """The target's argmax at (b, p) from its cached top-K (None when there is none)."""
+        return batch.topk_ids[b, p, 0] if batch.topk_ids is not None else None
+
+    def _fused(
+        self,
+        projection: VocabProjection,
+        target_hidden,
+        head,
+        valid,
+        step_weights,
+        topk,
+        labels,
+        target_argmax,
+    ):
         if self.draft_vocab is not None:
             try:
                 projection = projection.restricted_to(self.draft_vocab)
@@ -124,6 +139,7 @@ class DraftObjective:
             *topk,
             labels,
             self.chunk_size,
+            target_argmax,
         )
 
     def _output(
@@ -180,7 +196,14 @@ class DraftObjective:
             labels = labels.masked_fill(~shift_left(shift_left(batch.attention_mask))[b, p].bool(), -1)
         topk = self._target_topk(batch, b, p + 1, head, target_hidden)
         fused = self._fused(
-            head.vocab_projection(predicted), target_hidden, head, valid, step_weights, topk, labels
+            head.vocab_projection(predicted),
+            target_hidden,
+            head,
+            valid,
+            step_weights,
+            topk,
+            labels,
+            self._cached_argmax(batch, b, p + 1),
         )
         features_loss = [
             feature_regression(predicted[j][valid[j]], target_hidden[valid[j]])
@@ -204,5 +227,6 @@ class DraftObjective:
         step_weights = [self.rollout.step_weight(k + 1) for k in range(head.num_heads)]
         labels = batch.input_ids[b, q + 1] if self.weights.ce > 0 else None
         projection = head.vocab_projection(hidden)
-        fused = self._fused(projection, target_hidden, head, valid, step_weights, topk, labels)
+        argmax = self._cached_argmax(batch, b, q)
+        fused = self._fused(projection, target_hidden, head, valid, step_weights, topk, labels, argmax)
         return self._output(fused, [None] * head.num_heads, step_weights)
