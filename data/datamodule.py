@@ -10,6 +10,7 @@ length-bucketed order, so a run can switch mode without changing what it sees.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator, Sequence
 from functools import partial
@@ -31,6 +32,8 @@ from specdraft.data.features import (
     pad_token_id,
 )
 from specdraft.data.target import Target
+
+log = logging.getLogger(__name__)
 
 
 class UniformFeatureNoise:
@@ -271,8 +274,16 @@ class FeatureDataModule(L.LightningDataModule):
         return self.features_for(batch, training)
 
     def features_for(self, batch: TokenBatch | FeatureBatch, training: bool) -> FeatureBatch:
-        """Online: run the target on the batch; then, when training, apply the noise transform."""
+        """Online: run the target on the batch; then, when training, apply the noise transform.
+        The features sit on the device the batch was delivered to (the head's): online, the
+        frozen target moves there once, the first time a batch arrives on another device."""
         if isinstance(batch, TokenBatch):
+            device = batch.input_ids.device
+            if self.target.device != device:
+                log.info(
+                    "moving the frozen target from %s to the training device %s", self.target.device, device
+                )
+                self.target.model.to(device)
             batch = extract_features(self.target, batch, self.fields.aux_layer_ids, top_k=self.fields.top_k)
         if training and self.noise is not None:
             batch = self.noise(batch, self._noise_generator(batch.hidden.device))

@@ -12,7 +12,7 @@ equal ``generate(do_sample=False)``'s (tested).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import torch
 from torch import Tensor
@@ -59,60 +59,180 @@ class PreallocatedLayer(DynamicLayer):
             self.values = self.value_buffer[:, :, : self.length]
 
 
+class SlotLayer(DynamicLayer):
+    """One layer's KV cache for continuous batching: B×h×capacity×d buffers, one row per slot,
+    each slot writing its next key at its own column (``slots.write``). Attention reads the
+    columns ``[0, slots.window)``; which of them a row may see is the attention mask's business."""
+
+    def __init__(self, slots: Slots) -> None:
+        super().__init__()
+        self.slots = slots
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        raise RuntimeError("a slot cache is filled by Slots.load, not by a forward")
+
+    def allocate(self, batch: int, heads: int, key_dim: int, value_dim: int, dtype, device) -> None:
+        self.dtype, self.device = dtype, device
+        capacity = self.slots.capacity
+        self.key_buffer = torch.zeros(batch, heads, capacity, key_dim, dtype=dtype, device=device)
+        self.value_buffer = torch.zeros(batch, heads, capacity, value_dim, dtype=dtype, device=device)
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        rows = torch.arange(key_states.shape[0], device=key_states.device)
+        self.key_buffer[rows, :, self.slots.write] = key_states[:, :, 0]
+        self.value_buffer[rows, :, self.slots.write] = value_states[:, :, 0]
+        window = self.slots.window
+        return self.key_buffer[:, :, :window], self.value_buffer[:, :, :window]
+
+    def get_seq_length(self) -> int:
+        return self.slots.window - 1  # what precedes the one new column of a decode step
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.slots.window, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a slot cache is never cropped")
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
+
+
+class Slots:
+    """The per-row state of a continuous batch: the column each row writes next (``write``), its
+    next rotary position (``position``), and which cache columns it may attend (``visible``)."""
+
+    def __init__(self, batch: int, capacity: int, num_layers: int, device: torch.device) -> None:
+        self.capacity = capacity
+        self.write = torch.zeros(batch, dtype=torch.long, device=device)
+        self.position = torch.zeros(batch, dtype=torch.long, device=device)
+        self.visible = torch.zeros(batch, capacity, dtype=torch.long, device=device)
+        self.cache = Cache(layers=[SlotLayer(self) for _ in range(num_layers)])
+        self.window = 1
+
+    def load(self, slots: Tensor, prefill: Cache, attention_mask: Tensor) -> None:
+        """Copy a left-padded prefill (rows i of ``prefill``, W columns) into rows ``slots``."""
+        width = attention_mask.shape[1]
+        for layer, source in zip(self.cache.layers, prefill.layers, strict=True):
+            if not layer.is_initialized:
+                _, heads, _, key_dim = source.keys.shape
+                value_dim, dtype, device = source.values.shape[-1], source.keys.dtype, source.keys.device
+                layer.allocate(self.write.numel(), heads, key_dim, value_dim, dtype, device)
+            layer.key_buffer[slots, :, :width] = source.keys
+            layer.value_buffer[slots, :, :width] = source.values
+        self.visible[slots] = 0
+        self.visible[slots, :width] = attention_mask
+        self.write[slots] = width
+        self.position[slots] = attention_mask.sum(-1)
+
+    def select(self, keep: Tensor) -> None:
+        """Keep only the rows ``keep`` (ended rows leave the batch)."""
+        self.write, self.position, self.visible = self.write[keep], self.position[keep], self.visible[keep]
+        self.cache.batch_select_indices(keep)
+
+
 @torch.no_grad()
 def greedy_generate(
     model: torch.nn.Module,
-    input_ids: Tensor,
-    attention_mask: Tensor,
+    prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     eos_token_ids: Collection[int],
+    batch_size: int = 32,
+    pad_token_id: int = 0,
 ) -> list[list[int]]:
-    """Greedy continuations of a LEFT-padded batch.
+    """Greedy continuations of ``prompts``, ``batch_size`` at a time, continuously batched: a row
+    whose answer ended takes the next prompt of the queue at once (its prefill runs beside the
+    batch), so the batch stays full until the queue is empty; then ended rows leave it.
 
-    input_ids, attention_mask  B×W  (padding on the left: every prompt ends at column W−1)
-    returns                    B lists of new token ids, each ending at its first end-of-sequence
-                               token (kept) or after ``max_new_tokens`` tokens
+    prompts  token ids of each prompt (any lengths)
+    returns  per prompt, its new token ids, ending at its first end-of-sequence token (kept) or
+             after ``max_new_tokens`` tokens
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    batch, width = input_ids.shape
-    num_layers = model.config.num_hidden_layers
-    cache = Cache(layers=[PreallocatedLayer(width + max_new_tokens) for _ in range(num_layers)])
+    outputs: list[list[int]] = [[] for _ in prompts]
+    if not prompts:
+        return outputs
+    device = next(model.parameters()).device
     eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long)
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    # Longest first: a long prompt's row then has the whole run to finish in, and prefills
+    # that join later are short.
+    queue = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
+    batch = min(batch_size, len(queue))
+    capacity = max(len(p) for p in prompts) + max_new_tokens
+    slots = Slots(batch, capacity, model.config.num_hidden_layers, device)
+    owner = [-1] * batch  # the prompt each row answers (−1: free)
+    tokens = torch.full((batch,), pad_token_id, dtype=torch.long)
+
+    def emit(rows: list[int], new: list[int]) -> None:
+        for row, token in zip(rows, new, strict=True):
+            index = owner[row]
+            outputs[index].append(token)
+            if token in eos_set or len(outputs[index]) == max_new_tokens:
+                owner[row] = -1
+            tokens[row] = token
+
+    def refill() -> None:
+        while queue and -1 in owner:
+            free = [row for row, index in enumerate(owner) if index == -1][: len(queue)]
+            chosen = [queue.pop(0) for _ in free]
+            input_ids, attention_mask = left_pad([prompts[i] for i in chosen], pad_token_id, device)
+            logits, prefill = _prefill(model, input_ids, attention_mask)
+            slots.load(torch.tensor(free, device=device), prefill, attention_mask)
+            for row, index in zip(free, chosen, strict=True):
+                owner[row] = index
+            emit(free, logits.argmax(-1).tolist())
+
+    eos_set = set(eos.tolist())
+    refill()
+    while any(index >= 0 for index in owner):
+        ended = [row for row, index in enumerate(owner) if index == -1]
+        if ended and len(ended) >= COMPACT_FRACTION * len(owner):
+            keep = [row for row, index in enumerate(owner) if index >= 0]
+            slots.select(torch.tensor(keep, device=device))
+            owner, tokens = [owner[row] for row in keep], tokens[keep]
+        rows = torch.arange(len(owner), device=device)
+        active = [row for row, index in enumerate(owner) if index >= 0]
+        # An ended row waiting to leave the batch rewrites the same column with a pad token.
+        advance = torch.tensor([index >= 0 for index in owner], dtype=torch.long, device=device)
+        slots.visible[rows, slots.write] = 1
+        slots.window = int(slots.write.max()) + 1
+        logits = model(
+            input_ids=tokens.to(device).unsqueeze(-1),
+            attention_mask=slots.visible[:, : slots.window],
+            position_ids=slots.position.unsqueeze(-1),
+            past_key_values=slots.cache,
+            cache_position=torch.tensor([slots.window - 1], device=device),
+            use_cache=True,
+        ).logits[:, -1]
+        slots.write += advance
+        slots.position += advance
+        emit(active, logits[active].argmax(-1).tolist())
+        refill()
+    return outputs
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int, device) -> tuple[Tensor, Tensor]:
+    """B×W input ids and attention mask, every prompt ending at the last column."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[row, width - len(prompt) :] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def _prefill(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Cache]:
+    """The last column's logits B×V of a left-padded batch, and its KV cache."""
+    width = input_ids.shape[1]
+    cache = Cache(layers=[PreallocatedLayer(width) for _ in range(model.config.num_hidden_layers)])
     logits = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=positions,
+        position_ids=(attention_mask.long().cumsum(-1) - 1).clamp(min=0),
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
     ).logits[:, -1]
-    outputs: list[list[int]] = [[] for _ in range(batch)]
-    rows = torch.arange(batch)  # original row of each row still in the cache
-    running = torch.ones(batch, dtype=torch.bool)  # per cached row: not ended yet
-    mask, next_position = attention_mask, positions[:, -1:] + 1
-    for step in range(max_new_tokens):
-        tokens = logits.argmax(-1)
-        on_cpu = tokens.cpu()
-        for row, token in zip(rows[running].tolist(), on_cpu[running].tolist(), strict=True):
-            outputs[row].append(token)
-        running &= ~torch.isin(on_cpu, eos)
-        if step == max_new_tokens - 1 or not running.any():
-            break
-        if (~running).sum() >= COMPACT_FRACTION * running.numel():
-            keep = running.nonzero().squeeze(-1)
-            rows, running = rows[keep], running[keep]
-            keep = keep.to(input_ids.device)
-            cache.batch_select_indices(keep)
-            tokens, mask, next_position = tokens[keep], mask[keep], next_position[keep]
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
-        logits = model(
-            input_ids=tokens.unsqueeze(-1),
-            attention_mask=mask,
-            position_ids=next_position,
-            past_key_values=cache,
-            use_cache=True,
-        ).logits[:, -1]
-        next_position = next_position + 1
-    return outputs
+    return logits, cache

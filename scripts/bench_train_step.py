@@ -40,7 +40,14 @@ VARIANTS = {
     "eagle3": ["experiment=eagle3"],
     "hass_eagle3": ["experiment=hass_eagle3"],
     "medusa": ["experiment=medusa"],
+    # Reduced training vocabularies (the decoder's default shortlist is 8,192 tokens too).
+    "eagle_v8k": ["experiment=eagle", "loss.draft_vocab_size=8192"],
+    "hass_v8k": ["experiment=hass", "loss.draft_vocab_size=8192"],
+    "medusa_v8k": ["experiment=medusa", "loss.draft_vocab_size=8192"],
+    "eagle3_v8k": ["experiment=eagle3", "head.config.draft_vocab_size=8192"],
+    "hass_eagle3_v8k": ["experiment=hass_eagle3", "head.config.draft_vocab_size=8192"],
 }
+BASE_VARIANTS = ["eagle", "hass", "eagle3", "hass_eagle3", "medusa"]
 
 
 def build(name: str, overrides: list[str], args: argparse.Namespace):
@@ -58,6 +65,12 @@ def build(name: str, overrides: list[str], args: argparse.Namespace):
                 *args.override,
             ],
         )
+    try:  # what the entry point asks of the datamodule for this objective
+        from specdraft.train.cli import features_for_objective
+
+        features_for_objective(cfg)
+    except ImportError:  # a checkout from before it
+        pass
     target = instantiate(cfg.target)
     datamodule = instantiate(cfg.datamodule)(target=target)
     datamodule.setup("fit")
@@ -106,7 +119,7 @@ def main() -> None:
     parser.add_argument("--train-cache", required=True)
     parser.add_argument("--val-cache", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=BASE_VARIANTS, choices=list(VARIANTS))
     parser.add_argument("--batches", type=int, default=4, help="timed training batches per variant")
     parser.add_argument("--repeats", type=int, default=2, help="passes over those batches")
     parser.add_argument("--batch-tokens", type=int, default=2048)

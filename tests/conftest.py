@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_module
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
 
 from specdraft.data.target import Target
 from specdraft.data.tiny import tiny_random_target
@@ -67,3 +71,20 @@ def prefix_chi_squares(
 def rejects(counts: Mapping[tuple[int, ...], int], expected: Mapping[tuple[int, ...], float]) -> bool:
     """Whether some prefix of the emitted blocks departs from the target's distribution."""
     return any(statistic > critical for statistic, critical in prefix_chi_squares(counts, expected))
+
+
+# -- training configs ------------------------------------------------------------------------------
+def compose_train(run_dir: Path, *overrides: str):
+    """The real train config, composed as the CLI would, with its output dir set to ``run_dir``.
+    fp32 unless a test asks otherwise: what these tests check must not depend on the CPU's flags
+    (``precision: auto`` is checked through the CLI in test_cli_smoke)."""
+    with initialize_config_module("specdraft.conf", version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=["trainer.precision=32-true", *overrides, f"paths.output_dir={run_dir}"],
+            return_hydra_config=True,
+        )
+    HydraConfig.instance().set_config(cfg)  # for ${hydra:runtime.choices.*}
+    with open_dict(cfg):
+        del cfg.hydra
+    return cfg

@@ -5,14 +5,10 @@ from specdraft.data.generate import greedy_generate
 from specdraft.data.tiny import tiny_random_target
 
 
-def left_padded_batch(rows: int, width: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def random_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of different lengths (3..3+2·count tokens)."""
     generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(5, 100, (rows, width), generator=generator)
-    attention_mask = torch.ones_like(input_ids)
-    for row in range(rows):  # prompts of different lengths, all ending at the last column
-        attention_mask[row, : 2 * row] = 0
-        input_ids[row, : 2 * row] = 0
-    return input_ids, attention_mask
+    return [torch.randint(5, 100, (3 + 2 * i,), generator=generator).tolist() for i in range(count)]
 
 
 def hf_greedy(model, input_ids, attention_mask, max_new_tokens, eos) -> list[list[int]]:
@@ -37,21 +33,31 @@ def model():
     return tiny_random_target(seed=0, initializer_range=0.5).model
 
 
-def test_equals_generate_when_rows_end_at_different_steps(model):
-    input_ids, attention_mask = left_padded_batch(9, 20)
-    # End-of-sequence tokens picked from the free-running continuations, so rows end at
-    # different steps and ended rows are dropped from the batch (several compactions).
-    free = hf_greedy(model, input_ids, attention_mask, 30, set())
+def reference(model, prompts, max_new_tokens, eos) -> list[list[int]]:
+    """generate(do_sample=False) on each prompt alone."""
+    return [
+        hf_greedy(model, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long), max_new_tokens, eos)[0]
+        for p in prompts
+    ]
+
+
+@pytest.mark.parametrize("batch_size", [1, 4, 32])
+def test_equals_generate_prompt_by_prompt(model, batch_size):
+    """Rows end at different steps and take the next prompt (several refills and compactions);
+    every answer equals the prompt's own greedy continuation."""
+    prompts = random_prompts(9)
+    # End-of-sequence tokens picked from the free-running continuations, so answers end at
+    # different steps.
+    free = reference(model, prompts, 30, set())
     eos = {free[row][2 + 3 * row] for row in range(0, 9, 2)}
-    expected = hf_greedy(model, input_ids, attention_mask, 30, eos)
+    expected = reference(model, prompts, 30, eos)
     assert sorted({len(row) for row in expected})[0] < 30 < max(len(row) for row in expected) + 1
-    assert greedy_generate(model, input_ids, attention_mask, 30, eos) == expected
+    assert greedy_generate(model, prompts, 30, eos, batch_size=batch_size) == expected
 
 
 def test_one_new_token_and_no_end_of_sequence(model):
-    input_ids, attention_mask = left_padded_batch(3, 8, seed=1)
-    assert greedy_generate(model, input_ids, attention_mask, 1, set()) == hf_greedy(
-        model, input_ids, attention_mask, 1, set()
-    )
+    prompts = random_prompts(3, seed=1)
+    assert greedy_generate(model, prompts, 1, set(), batch_size=2) == reference(model, prompts, 1, set())
+    assert greedy_generate(model, [], 5, set()) == []
     with pytest.raises(ValueError, match="max_new_tokens"):
-        greedy_generate(model, input_ids, attention_mask, 0, set())
+        greedy_generate(model, prompts, 0, set())

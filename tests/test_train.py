@@ -10,31 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import open_dict
+from conftest import compose_train
 
 from specdraft.data.hardware import resolve_precision
 from specdraft.train.cli import train
 from specdraft.train.run_dir import RunDirError
 
 EXPERIMENTS = ["medusa", "eagle", "eagle3", "hass", "hass_eagle3"]
-
-
-def compose_train(run_dir: Path, *overrides: str):
-    """The real train config, composed as the CLI would, with its output dir set to ``run_dir``.
-    fp32 unless a test asks otherwise: what these tests check must not depend on the CPU's flags
-    (``precision: auto`` is checked through the CLI in test_cli_smoke)."""
-    with initialize_config_module("specdraft.conf", version_base="1.3"):
-        cfg = compose(
-            "train",
-            overrides=["trainer.precision=32-true", *overrides, f"paths.output_dir={run_dir}"],
-            return_hydra_config=True,
-        )
-    HydraConfig.instance().set_config(cfg)  # for ${hydra:runtime.choices.*}
-    with open_dict(cfg):
-        del cfg.hydra
-    return cfg
 
 
 def checkpoint(path: Path) -> dict:

@@ -23,7 +23,7 @@ import lightning as L
 import torch
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from specdraft.data.atomic import write_json_atomic
 from specdraft.data.datamodule import FeatureDataModule
@@ -53,6 +53,7 @@ def main(cfg: DictConfig) -> None:
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     run_dir = Path(cfg.paths.output_dir)
+    features_for_objective(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resume_from = prepare_run_dir(run_dir, resolved, cfg.resume, list(cfg.resume_ignore))
     # The stored config keeps `auto`; the value it resolves to follows the machine this run is on.
@@ -119,6 +120,16 @@ def build_training_head(head_cfg: DictConfig, target: Target, datamodule: Featur
     head = build_head(head_cfg.kind, config, target.spec, target_weights(target), d2t, t2d)
     record = {"kind": head_cfg.kind, "config": config, "target_spec": target.spec.to_dict()}
     return head, record
+
+
+def features_for_objective(cfg: DictConfig) -> None:
+    """Ask the datamodule for what the objective needs beyond the experiment's own settings: a
+    reduced training vocabulary trains only where the target's argmax lies inside it, and its
+    top-1 delivered with the features spares a pass over the full target logits per batch."""
+    if cfg.loss.get("draft_vocab_size") and not cfg.datamodule.top_k:
+        log.info("loss.draft_vocab_size: the features carry the target's top-1 (datamodule.top_k=1)")
+        with open_dict(cfg):
+            cfg.datamodule.top_k = 1
 
 
 def build_objective(loss_cfg: DictConfig, target: Target, datamodule: FeatureDataModule) -> DraftObjective:

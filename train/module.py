@@ -47,7 +47,17 @@ class DraftHeadModule(L.LightningModule):
         self._val: dict[str, Any] = {}
         self.tokens_seen = 0
 
+    def _check_device(self, batch: FeatureBatch) -> None:
+        """One clear error instead of a matmul's "Expected all tensors to be on the same device"."""
+        for name, value in vars(batch).items():
+            if isinstance(value, Tensor) and value.device != self.device:
+                raise RuntimeError(
+                    f"training batch field {name!r} is on {value.device} but the head is on {self.device}:"
+                    " the datamodule must deliver features on the training device"
+                )
+
     def _compute_dtype_batch(self, batch: FeatureBatch) -> FeatureBatch:
+        self._check_device(batch)
         # Under bf16-mixed autocast takes bf16 features as they are; full-precision training
         # needs the target's (possibly bf16) features in the head's parameter dtype.
         if torch.is_autocast_enabled(batch.hidden.device.type):

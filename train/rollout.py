@@ -90,7 +90,8 @@ def rollout(
     past_values: list[Tensor] = []
     outputs: list[Tensor] = []
     for step in range(1, config.steps + 1):
-        mask = alignment_mask(length, step, features.device)
+        # Step 1 is plain causal attention: the fused causal kernel, not the mask spelled out.
+        mask = alignment_mask(length, step, features.device) if step > 1 else None
         past_key = torch.cat(past_keys, dim=2) if past_keys else None
         past_value = torch.cat(past_values, dim=2) if past_values else None
         output, key, value = head.step(features, next_tokens, positions, mask, past_key, past_value)
