@@ -12,8 +12,15 @@ import pytest
 import torch
 from conftest import compose_train
 
+from specdraft.data.features import TokenBatch, extract_features
 from specdraft.data.hardware import resolve_precision
+from specdraft.data.target import target_weights
+from specdraft.heads import EagleHead
 from specdraft.train.cli import train
+from specdraft.train.losses import LossWeights
+from specdraft.train.module import DraftHeadModule
+from specdraft.train.objective import DraftObjective
+from specdraft.train.rollout import RolloutConfig
 from specdraft.train.run_dir import RunDirError
 
 EXPERIMENTS = ["medusa", "eagle", "eagle3", "hass", "hass_eagle3"]
@@ -192,3 +199,18 @@ def test_gpu_presets_train(tmp_path, preset):
 def test_runs_without_a_logger(tmp_path):
     summary = train(compose_train(tmp_path, "experiment=medusa", "debug=smoke", "logger=none"))
     assert summary["global_step"] == 6 and not (tmp_path / "csv").exists()
+
+
+def test_a_batch_on_another_device_than_the_head_is_one_clear_error(tiny_target):
+    """What the GPU bug looked like (online features on the CPU, the head on cuda:0), on any
+    machine: a field of the batch on another device (meta here) fails before any matmul."""
+    ids = torch.randint(3, 50, (2, 8))
+    batch = extract_features(tiny_target, TokenBatch(ids, torch.ones_like(ids), torch.ones_like(ids)))
+    objective = DraftObjective(LossWeights(feature=1.0), RolloutConfig())
+    module = DraftHeadModule(
+        EagleHead(tiny_target.spec, target_weights(tiny_target)), objective, torch.optim.AdamW
+    )
+    assert torch.isfinite(module.training_step(batch, 0))  # same device: trains (no trainer to log to)
+    batch.hidden = batch.hidden.to("meta")
+    with pytest.raises(RuntimeError, match="batch field 'hidden' is on meta but the head is on cpu"):
+        module.training_step(batch, 0)
