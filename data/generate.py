@@ -155,9 +155,9 @@ def greedy_generate(
         return outputs
     device = next(model.parameters()).device
     eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long)
-    # Longest first: a long prompt's row then has the whole run to finish in, and prefills
-    # that join later are short.
-    queue = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
+    # Shortest first: every row attends the columns up to the furthest row's, so rows of similar
+    # length together keep that window small (longest first measured 25 % slower on a CPU).
+    queue = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
     batch = min(batch_size, len(queue))
     capacity = max(len(p) for p in prompts) + max_new_tokens
     slots = Slots(batch, capacity, model.config.num_hidden_layers, device)

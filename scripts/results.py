@@ -18,6 +18,11 @@ Stages (``--stages`` picks some):
   with ``shape: auto``) on 16 MT-bench first turns, 128 new tokens, T=0, with draft / verify /
   bookkeeping ms per step (``--decoder-checkpoint``: the head; ``--decoder-provenance``: how it
   was trained, written into the snapshot);
+* ``train_speed`` — training-step throughput per head kind of two checkouts on the same cached
+  features, from two ``scripts/bench_train_step.py`` outputs (``--train-speed BEFORE AFTER``),
+  with regeneration tokens/s from two ``specdraft-regen`` logs (``--regen-logs BEFORE AFTER``)
+  and the acceptance of full- vs reduced-vocabulary training (``--vocab-acceptance``): snapshotted
+  as they are into docs/results/train_speed.json;
 * ``doc``       — docs/results.md and docs/results_curve.png from the JSON the stages wrote.
 
 The numbers in the doc are read from those JSON files only.
@@ -29,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -249,6 +255,11 @@ def doc(decoder_provenance: str | None = None) -> None:
             decoder_section,
             "python scripts/results.py --stages decoder doc --decoder-checkpoint <head>",
         ),
+        (
+            TRAIN_SPEED_TITLE,
+            train_speed_section,
+            "python scripts/results.py --stages train_speed doc --train-speed BEFORE AFTER",
+        ),
     ):
         body = render()
         if body is None:
@@ -433,6 +444,7 @@ QUICKSTART_TITLE = "## Quickstart (`make quickstart`)"
 ABLATION_TITLE = "## Ablation: the same data, the same training budget"
 CURVE_TITLE = "## τ vs training time and data"
 DECODER_TITLE = "## The decoder's own speed (`specdraft-bench methods=decoder`)"
+TRAIN_SPEED_TITLE = "## Training speed per head kind (`scripts/bench_train_step.py`)"
 # the dynamic tree the decoder issue measures drafting overhead on (conf/methods/decoder.yaml)
 DECODER_TREE = "head_dynamic"
 
@@ -632,6 +644,109 @@ def decoder_section() -> list[str] | None:
     return lines
 
 
+REGEN_RATE = re.compile(r"(\d+) tokens in (\d+) s = ([\d.]+) tokens/s")
+
+
+def train_speed(
+    before: Path, after: Path, regen_logs: list[Path] | None, vocab: Path | None, command: str
+) -> None:
+    """docs/results/train_speed.json from the outputs of the training-speed measurements."""
+    snapshot: dict = {"command": command, "before": read_json(before), "after": read_json(after)}
+    if snapshot["before"] is None or snapshot["after"] is None:
+        raise SystemExit(f"train_speed: {before} and {after} must be bench_train_step.py outputs")
+    if regen_logs:
+        snapshot["regen"] = {}
+        for label, log in zip(("before", "after"), regen_logs, strict=True):
+            found = REGEN_RATE.findall(log.read_text())
+            if not found:
+                raise SystemExit(f"train_speed: {log} has no specdraft-regen throughput line")
+            tokens, seconds, rate = found[-1]
+            snapshot["regen"][label] = {
+                "tokens": int(tokens),
+                "seconds": int(seconds),
+                "tokens_per_s": float(rate),
+            }
+    if vocab is not None:
+        snapshot["vocab_acceptance"] = read_json(vocab)
+    write_json_atomic(SNAPSHOTS / "train_speed.json", snapshot)
+
+
+def train_speed_section() -> list[str] | None:
+    snapshot = read_json(SNAPSHOTS / "train_speed.json")
+    if snapshot is None:
+        return None
+    before, after = snapshot["before"], snapshot["after"]
+    machine = after["machine"]
+    lines = [
+        f"Machine: {machine['name']} ({', '.join(machine['cpu_flags']) or 'no AVX-512 / AMX'}), "
+        f"{machine['threads']} torch threads, torch {machine['torch']}, precision {after['precision']}. "
+        f"Before: commit {before['commit'][:7]}; after: commit {after['commit'][:7]}; each checkout "
+        f"timed in one process, its variants interleaved batch by batch on the same cached SmolLM2 "
+        f"features ({after['batch_tokens']}-token batches). `{snapshot['command']}`",
+        "",
+        "Median tokens/s of whole optimiser steps (objective, backward, AdamW) and of validation",
+        "steps (the objective at `train=False`, 4 rollout steps, under `no_grad`). `_v8k`: a reduced",
+        "training vocabulary of 8,192 tokens (`loss.draft_vocab_size=8192`; EAGLE-3:",
+        "`head.config.draft_vocab_size=8192`), compared with the full-vocabulary variant before.",
+        "",
+        "| variant | train before | train after | × | validation before | validation after | × |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, entry in after["variants"].items():
+        reference = before["variants"].get(name.removesuffix("_v8k"))
+        train, val = entry["train_tokens_per_s"], entry["val_tokens_per_s"]
+        cells = [f"`{name}`"]
+        if reference is None:
+            cells += ["–", f"{train:.0f}", "–", "–", f"{val:.0f}", "–"]
+        else:
+            old_train, old_val = reference["train_tokens_per_s"], reference["val_tokens_per_s"]
+            cells += [f"{old_train:.0f}", f"{train:.0f}", f"{train / old_train:.2f}×"]
+            cells += [f"{old_val:.0f}", f"{val:.0f}", f"{val / old_val:.2f}×"]
+        lines.append("| " + " | ".join(cells) + " |")
+    rates = {name: entry["train_tokens_per_s"] for name, entry in after["variants"].items()}
+    old_rates = {name: entry["train_tokens_per_s"] for name, entry in before["variants"].items()}
+    ratios = []
+    for kind in ("hass", "eagle3", "hass_eagle3", "medusa"):
+        for suffix in ("", "_v8k"):
+            if f"{kind}{suffix}" in rates and f"eagle{suffix}" in rates:
+                ratios.append(f"{kind}{suffix} {rates[kind + suffix] / rates['eagle' + suffix]:.2f}×")
+    old_ratios = [f"{k} {old_rates[k] / old_rates['eagle']:.2f}×" for k in old_rates if k != "eagle"]
+    lines += [
+        "",
+        f"Training tokens/s relative to EAGLE's, after: {', '.join(ratios)}; "
+        f"before: {', '.join(old_ratios)}.",
+    ]
+    regen = snapshot.get("regen")
+    if regen:
+        old_rate, new_rate = regen["before"]["tokens_per_s"], regen["after"]["tokens_per_s"]
+        lines += [
+            "",
+            f"Regeneration (`specdraft-regen`, greedy): {old_rate:.1f} tokens/s before, {new_rate:.1f} "
+            f"after ({new_rate / old_rate:.2f}×; {regen['before']['tokens']} and "
+            f"{regen['after']['tokens']} tokens).",
+        ]
+    vocab = snapshot.get("vocab_acceptance")
+    if vocab:
+        lines += [
+            "",
+            f"What a reduced training vocabulary costs in acceptance ({vocab['description']}): held-out",
+            "top-1 agreement per draft step and simulated τ, each head evaluated drafting over the",
+            "full vocabulary and over the 8,192-token one (the decoder's default shortlist).",
+            "",
+            "| trained with | steps | train tok/s | drafting over | acc_1..4 | simulated τ |",
+            "|---|---|---|---|---|---|",
+        ]
+        for head, entry in vocab["heads"].items():
+            for objective, result in entry["evaluations"].items():
+                accuracy = ", ".join(f"{a:.3f}" for a in result["acc"])
+                lines.append(
+                    f"| {head} | {entry['steps']} | {entry['train_tokens_per_s']:.0f} | {objective} | "
+                    f"{accuracy} | {result['sim_tau']:.3f} |"
+                )
+    lines.append("")
+    return lines
+
+
 def plot_curve(curves: dict[str, list[tuple[float, float]]]) -> None:
     """One line per legend label: (training minutes, τ) points."""
     import matplotlib
@@ -661,6 +776,10 @@ def main() -> None:
     parser.add_argument("--per-category", type=int, default=2, help="MT-bench questions per category")
     parser.add_argument("--decoder-checkpoint", help="the head the decoder stage benches")
     parser.add_argument("--decoder-provenance", help="how that head was trained (kept in the snapshot)")
+    parser.add_argument("--train-speed", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
+    parser.add_argument("--regen-logs", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
+    parser.add_argument("--vocab-acceptance", type=Path, help="the reduced-vocabulary acceptance JSON")
+    parser.add_argument("--train-speed-command", default="", help="how the measurements were made")
     args = parser.parse_args()
     started = time.perf_counter()
     for stage in args.stages:
@@ -672,6 +791,10 @@ def main() -> None:
             curve(args.per_category)
         elif stage == "decoder":
             decoder(args.decoder_checkpoint, args.per_category)
+        elif stage == "train_speed":
+            if not args.train_speed:
+                parser.error("stage train_speed needs --train-speed BEFORE AFTER")
+            train_speed(*args.train_speed, args.regen_logs, args.vocab_acceptance, args.train_speed_command)
         elif stage == "doc":
             doc(args.decoder_provenance)
         else:

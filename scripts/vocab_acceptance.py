@@ -1,0 +1,108 @@
+"""What a reduced training vocabulary costs in acceptance, as JSON.
+
+Trains one experiment twice on the same cached features for the same steps (same seed, same
+batches): over the whole vocabulary, and with ``loss.draft_vocab_size=N``. Then evaluates both
+heads on the held-out cache twice: drafting over the whole vocabulary, and over the N most frequent
+assistant tokens (what the decoder's shortlist of the same size drafts over).
+
+    python scripts/vocab_acceptance.py --train-cache DIR --val-cache DIR --steps 100 --out vocab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_module
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import open_dict
+
+from specdraft.eval.load import load_head
+from specdraft.train.cli import build_objective, train
+from specdraft.train.objective import simulated_tau
+
+
+def compose_train(run_dir: Path, overrides: list[str]):
+    with initialize_config_module("specdraft.conf", version_base="1.3"):
+        cfg = compose(
+            "train", overrides=[*overrides, f"paths.output_dir={run_dir}"], return_hydra_config=True
+        )
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg.hydra
+    return cfg
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--train-cache", required=True)
+    parser.add_argument("--val-cache", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--experiment", default="eagle")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--batch-tokens", type=int, default=2048)
+    parser.add_argument("--run-dir", type=Path, default=Path("outputs/vocab_acceptance"))
+    args = parser.parse_args()
+
+    common = [
+        f"experiment={args.experiment}",
+        "datamodule=cached",
+        f"datamodule.train_cache={args.train_cache}",
+        f"datamodule.val_cache={args.val_cache}",
+        f"datamodule.max_batch_tokens={args.batch_tokens}",
+        f"trainer.max_steps={args.steps}",
+        f"trainer.val_check_interval={args.steps}",
+        "logger=none",
+        "callbacks.progress.refresh_rate=0",
+    ]
+    variants = {"full vocabulary": [], f"{args.vocab} tokens": [f"loss.draft_vocab_size={args.vocab}"]}
+    configs, heads = {}, {}
+    for name, extra in variants.items():
+        run_dir = args.run_dir / f"{args.experiment}-{name.split()[0]}"
+        configs[name] = compose_train(run_dir, [*common, *extra])
+        summary = train(configs[name])
+        heads[name] = {
+            "steps": summary["global_step"],
+            "train_tokens_per_s": summary["train_tokens_per_s"],
+            "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
+        }
+
+    cfg = configs["full vocabulary"]
+    target = instantiate(cfg.target)
+    datamodule = instantiate(cfg.datamodule)(target=target)
+    datamodule.setup("fit")
+    batches = [datamodule.features_for(batch, training=False) for batch in datamodule.val_dataloader()]
+    objectives = {name: build_objective(configs[name].loss, target, datamodule) for name in variants}
+    for name, entry in heads.items():
+        head = load_head(entry["checkpoint"], target, torch.float32).eval()
+        entry["evaluations"] = {}
+        for objective_name, objective in objectives.items():
+            matches = counts = None
+            with torch.no_grad():
+                for batch in batches:
+                    out = objective(head, batch, train=False)
+                    m = torch.tensor(out.matches, dtype=torch.float64)
+                    c = torch.tensor(out.counts, dtype=torch.float64)
+                    matches = m if matches is None else matches + m
+                    counts = c if counts is None else counts + c
+            accuracy = (matches / counts).tolist()
+            entry["evaluations"][objective_name] = {"acc": accuracy, "sim_tau": simulated_tau(accuracy)}
+            print(name, "drafting over", objective_name, accuracy, simulated_tau(accuracy), flush=True)
+    result = {
+        "description": (
+            f"experiment={args.experiment}, {args.steps} steps × {args.batch_tokens}-token batches, "
+            f"train cache {Path(args.train_cache).name}, held-out cache {Path(args.val_cache).name}"
+        ),
+        "heads": heads,
+    }
+    args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
