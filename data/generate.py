@@ -2,12 +2,14 @@
 
 Profiling ``model.generate`` on SmolLM2 (bf16, 48 rows, ~300-token prompts) put 35 % of a decode
 step in ``torch.cat`` — the dynamic KV cache re-copies every layer's keys and values at every
-token — and kept computing rows that had already ended. Here the cache is allocated once per
-batch at its final length and filled in place (attention reads a view of the filled part), and
-rows that ended are dropped from the batch once they are a quarter of it.
+token — and kept computing rows that had already ended. Here the KV cache is allocated once, one
+row per slot, and written in place at each row's own column; a row whose answer ended takes the
+next prompt of the queue at once (continuous batching: its prefill runs beside the batch and is
+copied into the slot), and once the queue is empty ended rows leave the batch when they are a
+quarter of it.
 
 The arithmetic is the model's own forward; only the bookkeeping differs, so in fp32 the tokens
-equal ``generate(do_sample=False)``'s (tested).
+equal ``generate(do_sample=False)``'s on each prompt alone (tested).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ COMPACT_FRACTION = 0.25  # drop ended rows once they are this share of the batch
 
 
 class PreallocatedLayer(DynamicLayer):
-    """One layer's KV cache: B×h×capacity×d buffers written in place; ``keys``/``values`` are
-    views of the filled B×h×length×d part (what attention and the mask sizes read)."""
+    """One layer's KV cache for a prefill: B×h×capacity×d buffers written in place; ``keys`` /
+    ``values`` are views of the filled B×h×length×d part (what attention and the mask sizes read)."""
 
     def __init__(self, capacity: int) -> None:
         super().__init__()
@@ -50,13 +52,6 @@ class PreallocatedLayer(DynamicLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a preallocated generation cache is never cropped")
-
-    def batch_select_indices(self, indices: Tensor) -> None:
-        if self.is_initialized:
-            self.key_buffer = self.key_buffer[indices]
-            self.value_buffer = self.value_buffer[indices]
-            self.keys = self.key_buffer[:, :, : self.length]
-            self.values = self.value_buffer[:, :, : self.length]
 
 
 class SlotLayer(DynamicLayer):
