@@ -648,7 +648,12 @@ REGEN_RATE = re.compile(r"(\d+) tokens in (\d+) s = ([\d.]+) tokens/s")
 
 
 def train_speed(
-    before: Path, after: Path, regen_logs: list[Path] | None, vocab: Path | None, command: str
+    before: Path,
+    after: Path,
+    regen_logs: list[Path] | None,
+    vocab: Path | None,
+    command: str,
+    repeats: list[Path] | None = None,
 ) -> None:
     """docs/results/train_speed.json from the outputs of the training-speed measurements."""
     snapshot: dict = {"command": command, "before": read_json(before), "after": read_json(after)}
@@ -668,6 +673,8 @@ def train_speed(
             }
     if vocab is not None:
         snapshot["vocab_acceptance"] = read_json(vocab)
+    if repeats:  # more bench_train_step.py outputs of the two checkouts, run alternately
+        snapshot["repeats"] = [read_json(path) for path in repeats]
     write_json_atomic(SNAPSHOTS / "train_speed.json", snapshot)
 
 
@@ -716,6 +723,18 @@ def train_speed_section() -> list[str] | None:
         f"Training tokens/s relative to EAGLE's, after: {', '.join(ratios)}; "
         f"before: {', '.join(old_ratios)}.",
     ]
+    repeats = snapshot.get("repeats")
+    if repeats:
+        runs = []
+        for run in repeats:
+            which = "before" if run["commit"] == before["commit"] else "after"
+            rates = ", ".join(f"{n} {v['train_tokens_per_s']:.0f}" for n, v in run["variants"].items())
+            runs.append(f"{which} ({rates})")
+        lines += [
+            "",
+            "The same two checkouts run again one after the other, alternating, to show this",
+            f"machine's run-to-run spread (training tokens/s): {'; '.join(runs)}.",
+        ]
     regen = snapshot.get("regen")
     if regen:
         old_rate, new_rate = regen["before"]["tokens_per_s"], regen["after"]["tokens_per_s"]
@@ -779,6 +798,7 @@ def main() -> None:
     parser.add_argument("--regen-logs", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
     parser.add_argument("--vocab-acceptance", type=Path, help="the reduced-vocabulary acceptance JSON")
     parser.add_argument("--train-speed-command", default="", help="how the measurements were made")
+    parser.add_argument("--train-speed-repeats", nargs="*", type=Path, help="more runs, either checkout")
     args = parser.parse_args()
     started = time.perf_counter()
     for stage in args.stages:
@@ -793,7 +813,13 @@ def main() -> None:
         elif stage == "train_speed":
             if not args.train_speed:
                 parser.error("stage train_speed needs --train-speed BEFORE AFTER")
-            train_speed(*args.train_speed, args.regen_logs, args.vocab_acceptance, args.train_speed_command)
+            train_speed(
+                *args.train_speed,
+                args.regen_logs,
+                args.vocab_acceptance,
+                args.train_speed_command,
+                args.train_speed_repeats,
+            )
         elif stage == "doc":
             doc(args.decoder_provenance)
         else:
