@@ -149,7 +149,7 @@ def greedy_generate(
     if not prompts:
         return outputs
     device = next(model.parameters()).device
-    eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long)
+    eos = set(eos_token_ids)
     # Shortest first: every row attends the columns up to the furthest row's, so rows of similar
     # length together keep that window small (longest first measured 25 % slower on a CPU).
     queue = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
@@ -163,7 +163,7 @@ def greedy_generate(
         for row, token in zip(rows, new, strict=True):
             index = owner[row]
             outputs[index].append(token)
-            if token in eos_set or len(outputs[index]) == max_new_tokens:
+            if token in eos or len(outputs[index]) == max_new_tokens:
                 owner[row] = -1
             tokens[row] = token
 
@@ -178,7 +178,6 @@ def greedy_generate(
                 owner[row] = index
             emit(free, logits.argmax(-1).tolist())
 
-    eos_set = set(eos.tolist())
     refill()
     while any(index >= 0 for index in owner):
         ended = [row for row, index in enumerate(owner) if index == -1]

@@ -102,22 +102,19 @@ class DraftObjective:
             return batch.topk_ids[b, p, :k], batch.topk_probs[b, p, :k]
         return target_topk(target_hidden, head.target_lm_head, k, self.chunk_size)
 
-    @staticmethod
-    def _cached_argmax(batch: FeatureBatch, b: Tensor, p: Tensor) -> Tensor | None:
-        """The target's argmax at (b, p) from its cached top-K (None when there is none)."""
-        return batch.topk_ids[b, p, 0] if batch.topk_ids is not None else None
-
     def _fused(
         self,
+        head: torch.nn.Module,
         projection: VocabProjection,
-        target_hidden,
-        head,
-        valid,
-        step_weights,
-        topk,
-        labels,
-        target_argmax,
+        batch: FeatureBatch,
+        b: Tensor,
+        q: Tensor,
+        valid: Tensor,
+        step_weights: list[float],
+        labels: Tensor | None,
     ):
+        """The vocabulary-sized terms of ``projection`` against the target at positions (b, q):
+        its distribution from ``batch.hidden[b, q]``, its top-K and (cached) argmax there."""
         if self.draft_vocab is not None:
             try:
                 projection = projection.restricted_to(self.draft_vocab)
@@ -126,6 +123,8 @@ class DraftObjective:
                     f"loss.draft_vocab_size: {error} ({type(head).__name__}; set its head config's"
                     " draft_vocab_size instead)"
                 ) from None
+        target_hidden = batch.hidden[b, q]
+        cached_argmax = batch.topk_ids[b, q, 0] if batch.topk_ids is not None else None
         return fused_vocab_losses(
             projection.inputs,
             projection.weight,
@@ -136,10 +135,10 @@ class DraftObjective:
             self.weights,
             projection.draft_vocab,
             projection.target_to_draft,
-            *topk,
+            *self._target_topk(batch, b, q, head, target_hidden),
             labels,
             self.chunk_size,
-            target_argmax,
+            cached_argmax,
         )
 
     def _output(
@@ -194,16 +193,8 @@ class DraftObjective:
         if weights.ce > 0:
             labels = shift_left(shift_left(batch.input_ids))[b, p]
             labels = labels.masked_fill(~shift_left(shift_left(batch.attention_mask))[b, p].bool(), -1)
-        topk = self._target_topk(batch, b, p + 1, head, target_hidden)
         fused = self._fused(
-            head.vocab_projection(predicted),
-            target_hidden,
-            head,
-            valid,
-            step_weights,
-            topk,
-            labels,
-            self._cached_argmax(batch, b, p + 1),
+            head, head.vocab_projection(predicted), batch, b, p + 1, valid, step_weights, labels
         )
         features_loss = [
             feature_regression(predicted[j][valid[j]], target_hidden[valid[j]])
@@ -222,11 +213,7 @@ class DraftObjective:
         ahead = torch.arange(1, head.num_heads + 1, device=q.device).unsqueeze(-1)  # K×1: 1 + k
         valid = q >= ahead  # K×N: head k needs a position q−1−k ≥ 0 to read
         hidden = batch.hidden[b, (q - ahead).clamp(min=0)]  # K×N×H
-        target_hidden = batch.hidden[b, q]
-        topk = self._target_topk(batch, b, q, head, target_hidden)
         step_weights = [self.rollout.step_weight(k + 1) for k in range(head.num_heads)]
         labels = batch.input_ids[b, q + 1] if self.weights.ce > 0 else None
-        projection = head.vocab_projection(hidden)
-        argmax = self._cached_argmax(batch, b, q)
-        fused = self._fused(projection, target_hidden, head, valid, step_weights, topk, labels, argmax)
+        fused = self._fused(head, head.vocab_projection(hidden), batch, b, q, valid, step_weights, labels)
         return self._output(fused, [None] * head.num_heads, step_weights)
