@@ -151,15 +151,32 @@ def run_benchmark(
     seed: int = 0,
     resume: bool = True,
     progress: bool = True,
+    max_seconds: float | None = None,
 ) -> dict[str, Any]:
-    """Run (or resume) the benchmark; write records.jsonl, report.json and the plots."""
+    """Run (or resume) the benchmark; write records.jsonl, report.json and the plots.
+
+    ``max_seconds``: a time box for this invocation. No question is started that would end past
+    it (judged by the mean question so far); the report covers the questions done and says how
+    many were left (``time_box``). Questions run in the given order, so a balanced order keeps
+    a cut-short run balanced."""
     if not methods or methods[0].type != "plain":
         raise ValueError("the first method must be plain decoding (the speedup reference)")
     done = prepare_output_dir(out_dir, config, resume)
     units = [(q, t) for q in questions for t in temperatures if (q.id, float(t)) not in done]
     if done:
         log.info("resuming %s: %d units done, %d to go", out_dir, len(done), len(units))
-    for question, temperature in tqdm(units, desc="bench", unit="question", disable=not progress):
+    started, left = time.perf_counter(), 0
+    for done_here, (question, temperature) in enumerate(
+        tqdm(units, desc="bench", unit="question", disable=not progress)
+    ):
+        elapsed = time.perf_counter() - started
+        if max_seconds is not None and done_here and elapsed * (done_here + 1) / done_here > max_seconds:
+            left = len(units) - done_here
+            log.warning(
+                "time box of %.0f s: stopping after %d questions (%.0f s), %d left undone",
+                max_seconds, done_here, elapsed, left,
+            )  # fmt: skip
+            break
         sampling = sampling_for(temperature)
         unit_seed = seed + zlib.crc32(question.id.encode())  # the same for every method
         records = []
@@ -185,6 +202,8 @@ def run_benchmark(
         "methods": {m.name: {"type": m.type, "lossless": m.lossless, **m.details} for m in methods},
         "results": summarize(read_records(out_dir)),
     }
+    if max_seconds is not None:
+        report["time_box"] = {"max_seconds": max_seconds, "units_left": left}
     write_json_atomic(out_dir / REPORT, report)
     report["plots"] = [str(p) for p in plot(report["results"], out_dir)]
     return report

@@ -63,6 +63,9 @@ def _main(cfg: DictConfig, command: str) -> None:
     except BenchDirError as error:
         raise SystemExit(f"specdraft-bench: {error}") from None
     print(format_table(report["results"]))
+    box = report.get("time_box")
+    if box and box["units_left"]:
+        print(f"time box of {box['max_seconds'] / 60:.1f} min: {box['units_left']} questions left undone")
     print(f"report: {Path(cfg.paths.output_dir) / 'report.json'}")
 
 
@@ -122,10 +125,13 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
         [float(t) for t in cfg.temperatures],
         lambda t: Sampling(t, cfg.top_p, cfg.top_k),
         Path(cfg.paths.output_dir),
-        OmegaConf.to_container(cfg, resolve=True),
+        # The time box limits this invocation, it does not change what is measured: a resumed
+        # run may have another one.
+        {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "max_minutes"},
         seed=cfg.seed,
         resume=cfg.resume,
         progress=cfg.progress,
+        max_seconds=60 * cfg.max_minutes if cfg.max_minutes is not None else None,
     )
 
 

@@ -13,6 +13,7 @@ import json
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 
 from specdraft.data.assets import find_package_file
@@ -49,7 +50,8 @@ def read_spec_bench(
 ) -> list[Question]:
     """Questions of a Spec-Bench-style JSONL file, optionally of some categories only, with at
     most ``max_turns`` turns each (None: all); ``per_category``: the first N of each category (a
-    balanced subset, in file order), then ``limit``."""
+    balanced subset), taken round-robin over the categories so that every prefix (``limit``, a
+    time-boxed benchmark) stays balanced; then ``limit``."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist (set prompts.path)")
@@ -80,7 +82,18 @@ def read_spec_bench(
             f"{path}: no question of categories {sorted(wanted - seen_categories)}; "
             f"the file has {sorted(seen_categories)}"
         )
+    if per_category is not None:
+        questions = round_robin(questions)
     return questions[:limit]
+
+
+def round_robin(questions: Sequence[Question]) -> list[Question]:
+    """The first question of each category (in order of first appearance), then the second, …"""
+    by_category: dict[str, list[Question]] = {}
+    for question in questions:
+        by_category.setdefault(question.category, []).append(question)
+    rounds = zip_longest(*by_category.values())
+    return [question for round_ in rounds for question in round_ if question is not None]
 
 
 def read_humaneval(limit: int | None = None) -> list[Question]:

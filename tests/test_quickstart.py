@@ -11,7 +11,11 @@ from pathlib import Path
 from hydra import compose, initialize_config_module
 
 from specdraft.eval.prompts import MT_BENCH_CATEGORIES
+from specdraft.train.budget import Plan
 from specdraft.train.quickstart import stages
+
+PLAN = Plan(45, 700, 321, 9.0, {"probe": 60.0, "regen": 600.0, "cache train": 100.0,
+            "cache heldout": 10.0, "train": 900.0, "export": 10.0, "eval": 540.0})  # fmt: skip
 
 
 def compose_quickstart(*overrides: str):
@@ -29,8 +33,8 @@ def stage_overrides(stage: str, *overrides: str) -> str:
 
 
 def test_each_stage_reads_what_the_previous_one_wrote(tmp_path):
-    plan = stages(compose_quickstart(f"paths.log_dir={tmp_path}", f"eval.mt_bench={tmp_path}/missing.jsonl"))
-    by_name = {stage.name: stage for stage in plan}
+    cfg = compose_quickstart(f"paths.log_dir={tmp_path}", f"eval.mt_bench={tmp_path}/missing.jsonl")
+    by_name = {stage.name: stage for stage in stages(cfg, PLAN)}
     assert list(by_name) == ["regen", "cache train", "cache heldout", "train", "export", "eval"]
     assert value(by_name["cache train"], "data.source.path") == value(by_name["regen"], "out_path")
     assert value(by_name["regen"], "max_turns") == "1"
@@ -39,8 +43,14 @@ def test_each_stage_reads_what_the_previous_one_wrote(tmp_path):
     assert value(by_name["export"], "checkpoint") == f"{tmp_path}/train/quickstart"
     assert value(by_name["eval"], "checkpoint") == value(by_name["export"], "out")
     assert value(by_name["eval"], "prompts") == "sharegpt_heldout"  # no MT-bench file
+    # the plan's sizes reach the stages
+    assert value(by_name["regen"], "limit") == "700"
+    assert value(by_name["regen"], "out_path").endswith("quickstart-train-700.jsonl")
+    assert value(by_name["train"], "trainer.max_steps") == "321"
+    assert value(by_name["train"], "trainer.max_time") == "00:00:18:45"  # 1.25 × the ETA: a guard
+    assert value(by_name["eval"], "max_minutes") == "9.00"
 
-    original = stages(compose_quickstart(f"paths.log_dir={tmp_path}", "self_distill=false"))
+    original = stages(compose_quickstart(f"paths.log_dir={tmp_path}", "self_distill=false"), PLAN)
     assert original[0].name == "cache train"
     assert "data=jsonl" not in original[0].overrides
     assert value(original[2], "run_name") == "quickstart-sharegpt"  # never resumes the other run
@@ -63,6 +73,7 @@ def test_the_quickstart_runs_end_to_end_and_resumes_on_the_tiny_target(tmp_path)
         "eval.per_category=1",
         "eval.max_new_tokens=8",
         "conversations=30",
+        "train_steps=4",
         "heldout_fraction=0.2",
         stage_overrides(
             "regen", tiny, talkative, "data=tiny", "generation.max_new_tokens=12", "progress=false"
@@ -72,7 +83,6 @@ def test_the_quickstart_runs_end_to_end_and_resumes_on_the_tiny_target(tmp_path)
             "train",
             tiny,
             talkative,
-            "trainer.max_steps=4",
             "trainer.val_check_interval=2",
             "trainer.precision=32-true",
             "datamodule.max_batch_tokens=1024",
@@ -84,8 +94,12 @@ def test_the_quickstart_runs_end_to_end_and_resumes_on_the_tiny_target(tmp_path)
     ]
     first = subprocess.run(command, capture_output=True, text=True, check=False)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert "T=0 head_tree: tau" in first.stdout and "head (native export)" in first.stdout
+    assert "T=0 head_tree (" in first.stdout and "head (native export)" in first.stdout
+    assert "quickstart plan: budget 45 min" in first.stdout  # the plan, with its ETAs, comes first
     out = tmp_path / "quickstart"
+    plan = json.loads((out / "plan-quickstart.json").read_text())
+    assert (plan["plan"]["conversations"], plan["plan"]["train_steps"]) == (30, 4)  # as asked
+    assert plan["throughput"]["train_step_s"] > 0 and plan["throughput"]["regen_step_s"] > 0
     assert set(json.loads((out / "timings-quickstart.json").read_text())) >= {"regen", "train", "total"}
     assert json.loads((out / "head" / "config.json").read_text())["format"] == "specdraft-head"
     assert sorted(p.name for p in (tmp_path / "train/quickstart/checkpoints/curve").iterdir()) == [
@@ -107,3 +121,10 @@ def test_the_quickstart_runs_end_to_end_and_resumes_on_the_tiny_target(tmp_path)
     assert regen.read_bytes() == regen_bytes  # reused, not regenerated or appended to
     assert json.loads(report.read_bytes())["results"] == json.loads(report_bytes)["results"]
     assert "0 conversations written this run" in second.stdout
+    assert "resuming the plan" in second.stdout and "probing" not in second.stdout
+
+    other_budget = subprocess.run(
+        [*command, "budget_minutes=30"], capture_output=True, text=True, check=False
+    )
+    assert other_budget.returncode != 0
+    assert "['budget_minutes'] differ now" in other_budget.stderr + other_budget.stdout

@@ -1,20 +1,25 @@
-"""``specdraft-quickstart``: a trained draft head for the bundled SmolLM2, end to end (Hydra).
+"""``specdraft-quickstart``: a trained draft head for the bundled SmolLM2, end to end, in a time
+budget (Hydra).
 
-    specdraft-quickstart                      # ~45 min on 2 CPU cores; `make run` runs it
+    specdraft-quickstart                      # 45 minutes on this machine; `make run` runs it
+    specdraft-quickstart budget_minutes=120   # more answers, more steps
     specdraft-quickstart self_distill=false   # the original ShareGPT answers instead of the target's
 
-Stages, each one of the specdraft commands run as a subprocess (so each is exactly what a user
-would type, and each resumes on its own: re-running the quickstart skips finished work):
+First a probe times a few seconds of each stage's own work on this machine, and the plan sizes
+the stages to fit ``budget_minutes`` (train/budget.py); it is printed with an ETA per stage and
+written to ``<dir>/plan-<run>.json``, which a re-run reuses. Then the stages, each one of the
+specdraft commands run as a subprocess (so each is exactly what a user would type, and each
+resumes on its own: re-running the quickstart skips finished work):
 
-1. ``specdraft-regen``  — the target's own greedy answers to the first user turn of
-   ``conversations`` ShareGPT prompts (self-distillation; skipped with ``self_distill=false``);
+1. ``specdraft-regen``  — the target's own greedy answers to the first user turn of the planned
+   number of ShareGPT prompts (self-distillation; skipped with ``self_distill=false``);
 2. ``specdraft-cache``  — target features (+ top-k) of those conversations, train and held-out;
-3. ``specdraft-train experiment=quickstart`` — the head, on the cached features;
+3. ``specdraft-train experiment=quickstart`` — the head, on the cached features, the planned steps;
 4. ``specdraft-export format=native`` — the head as ``<dir>/head``;
-5. ``specdraft-eval``   — τ, acceptance per depth and speedup on MT-bench questions.
+5. ``specdraft-eval``   — τ, acceptance per depth and speedup on MT-bench questions, time-boxed.
 
-The stage timings of this invocation go to ``<dir>/timings-<run>.json``; the last lines printed say
-where the head and the report are.
+The stage timings of this invocation go to ``<dir>/timings-<run>.json`` beside the plan's ETAs;
+the last lines printed say where the head and the report are.
 """
 
 from __future__ import annotations
@@ -26,12 +31,31 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import hydra
-from omegaconf import DictConfig
+from hydra import compose
+from omegaconf import DictConfig, OmegaConf
 
 from specdraft.data.atomic import write_json_atomic
+from specdraft.data.cache import StoredFields
 from specdraft.data.hardware import start
+from specdraft.train.budget import (
+    BudgetError,
+    BudgetRules,
+    Plan,
+    ProbeSettings,
+    Throughput,
+    TrainShape,
+    clock,
+    describe,
+    make_plan,
+    probe,
+)
+
+# What a stored plan was made for: a re-run with any of these changed would need other sizes.
+PLAN_KEYS = ("budget_minutes", "conversations", "train_steps", "self_distill", "experiment", "budget",
+             "heldout_fraction", "regen", "top_k", "aux_layers")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -41,12 +65,13 @@ class Stage:
     overrides: list[str]
 
 
-def stages(cfg: DictConfig) -> list[Stage]:
-    """The quickstart's commands, in order."""
+def stages(cfg: DictConfig, plan: Plan) -> list[Stage]:
+    """The quickstart's commands, in order, with the plan's sizes."""
     out = Path(cfg.dir)
     common = [f"paths.log_dir={cfg.paths.log_dir}"] + ([f"threads={cfg.threads}"] if cfg.threads else [])
+    conversations = plan.conversations
+    regen_path = Path(cfg.regen.dir) / f"quickstart-train-{conversations}.jsonl"
     if cfg.self_distill:
-        regen_path = Path(cfg.regen.path)
         data = [
             "data=jsonl",
             f"data.source.path={regen_path}",
@@ -54,29 +79,20 @@ def stages(cfg: DictConfig) -> list[Stage]:
             f"data.split_seed={cfg.split_seed}",
         ]
     else:
-        data = [f"data.source.limit={cfg.conversations}", f"data.heldout_fraction={cfg.heldout_fraction}"]
-    source = "regen" if cfg.self_distill else "sharegpt"
+        data = [f"data.source.limit={conversations}", f"data.heldout_fraction={cfg.heldout_fraction}"]
+    source = f"{'regen' if cfg.self_distill else 'sharegpt'}-{conversations}"
     features = {split: out / "features" / source / split for split in ("train", "heldout")}
-    plan = []
+    plan_stages = []
     if cfg.self_distill:
-        plan.append(
+        plan_stages.append(
             Stage(
                 "regen",
                 "specdraft-regen",
-                [
-                    f"limit={cfg.conversations}",
-                    "max_turns=1",
-                    f"generation.max_new_tokens={cfg.regen.max_new_tokens}",
-                    f"max_prompt_tokens={cfg.regen.max_prompt_tokens}",
-                    f"batch_size={cfg.regen.batch_size}",
-                    f"out_path={regen_path}",
-                    *common,
-                    *cfg.overrides.regen,
-                ],
+                [f"limit={conversations}", *regen_overrides(cfg, regen_path), *common],
             )
         )
     for split in ("train", "heldout"):
-        plan.append(
+        plan_stages.append(
             Stage(
                 f"cache {split}",
                 "specdraft-cache",
@@ -92,7 +108,10 @@ def stages(cfg: DictConfig) -> list[Stage]:
             )
         )
     run = run_name(cfg)
-    plan.append(
+    # A guard, not the plan: if this machine runs slower than probed, training stops (with a
+    # checkpoint) rather than overrunning the budget.
+    max_time = TRAIN_TIME_GUARD * plan.eta_s["train"]
+    plan_stages.append(
         Stage(
             "train",
             "specdraft-train",
@@ -101,13 +120,15 @@ def stages(cfg: DictConfig) -> list[Stage]:
                 f"run_name={run}",
                 f"datamodule.train_cache={features['train']}",
                 f"datamodule.val_cache={features['heldout']}",
+                f"trainer.max_steps={plan.train_steps}",
+                f"trainer.max_time={lightning_duration(max_time)}",
                 *common,
                 *cfg.overrides.train,
             ],
         )
     )
     head_dir = out / ("head" if cfg.self_distill else "head-sharegpt")
-    plan.append(
+    plan_stages.append(
         Stage(
             "export",
             "specdraft-export",
@@ -133,7 +154,7 @@ def stages(cfg: DictConfig) -> list[Stage]:
             f"prompts.limit={8 * cfg.eval.per_category}",
             f"prompts.max_turns={cfg.eval.max_turns}",
         ]
-    plan.append(
+    plan_stages.append(
         Stage(
             "eval",
             "specdraft-eval",
@@ -144,34 +165,63 @@ def stages(cfg: DictConfig) -> list[Stage]:
                 *prompts,
                 f"max_new_tokens={cfg.eval.max_new_tokens}",
                 f"temperatures=[{','.join(str(t) for t in cfg.eval.temperatures)}]",
+                f"max_minutes={plan.eval_minutes:.2f}",
                 *common,
                 *cfg.overrides.eval,
             ],
         )
     )
-    return plan
+    return plan_stages
+
+
+TRAIN_TIME_GUARD = 1.25  # training's max_time, × its ETA
+
+
+def regen_overrides(cfg: DictConfig, out_path: Path) -> list[str]:
+    """specdraft-regen's settings for the quickstart (the probe composes the same)."""
+    return [
+        "max_turns=1",
+        f"generation.max_new_tokens={cfg.regen.max_new_tokens}",
+        f"max_prompt_tokens={cfg.regen.max_prompt_tokens}",
+        f"batch_size={cfg.regen.batch_size}",
+        f"out_path={out_path}",
+        *cfg.overrides.regen,
+    ]
+
+
+def lightning_duration(seconds: float) -> str:
+    """Lightning's ``max_time`` as DD:HH:MM:SS."""
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    return f"{days:02d}:{hours:02d}:{minutes:02d}:{secs:02d}"
 
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="quickstart")
 def main(cfg: DictConfig) -> None:
     hardware = start("specdraft-quickstart", cfg.threads).hardware
-    # The expected minutes were measured on a 2-core CPU with native bf16; without it every stage
-    # runs in fp32, several times slower (README, Set-up).
-    where = "on this machine" if hardware.fast_bf16 else "on a 2-core AMX-bf16 CPU, longer here in fp32"
-    plan = stages(cfg)
     if not Path(cfg.eval.mt_bench).is_file():
         print(
             f"quickstart: no MT-bench file at {cfg.eval.mt_bench} (set SPECDRAFT_SPEC_BENCH): "
             "evaluating on held-out ShareGPT prompts instead",
             flush=True,
         )
-    timings: dict[str, float] = {}
     started = time.perf_counter()
-    for number, stage in enumerate(plan, start=1):
+    plan, throughput = load_or_make_plan(cfg)
+    timings: dict[str, float] = {"probe": round(time.perf_counter() - started, 1)}
+    eval_what = (
+        f"{8 * cfg.eval.per_category} first turns, {cfg.eval.max_new_tokens} new tokens, "
+        "stops when the next question would not fit"
+    )
+    print(describe(plan, throughput, hardware.name, eval_what, cfg.self_distill), flush=True)
+    if cfg.plan_only:
+        return
+    plan_stages = stages(cfg, plan)
+    for number, stage in enumerate(plan_stages, start=1):
         elapsed = time.perf_counter() - started
         print(
-            f"\n=== quickstart [{number}/{len(plan)}] {stage.name}  (elapsed {clock(elapsed)}; "
-            f"~{cfg.expected_minutes[stage.name.split()[0]]} min {where}) ===",
+            f"\n=== quickstart [{number}/{len(plan_stages)}] {stage.name}  (elapsed {clock(elapsed)}; "
+            f"ETA ~{clock(plan.eta_s[stage.name])}) ===",
             flush=True,
         )
         argv = [console_script(stage.command), *stage.overrides]
@@ -182,13 +232,82 @@ def main(cfg: DictConfig) -> None:
         if result.returncode != 0:
             raise SystemExit(
                 f"quickstart: stage {stage.name!r} failed (exit {result.returncode}); "
-                "fix the cause and re-run: finished work is kept"
+                "fix the cause and re-run: finished work and the plan are kept"
             )
     timings["total"] = round(time.perf_counter() - started, 1)
     out = Path(cfg.dir)
     timings_path = out / f"timings-{run_name(cfg)}.json"
-    write_json_atomic(timings_path, timings)
-    print_summary(plan[-1], timings_path, timings)
+    write_json_atomic(timings_path, {**timings, "eta": plan.eta_s, "budget_minutes": plan.budget_minutes})
+    print_summary(plan_stages[-1], timings_path, timings, plan)
+
+
+def load_or_make_plan(cfg: DictConfig) -> tuple[Plan, Throughput]:
+    """The plan stored for this quickstart (a re-run resumes it), else a fresh probe and plan."""
+    path = Path(cfg.dir) / f"plan-{run_name(cfg)}.json"
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    request = {key: resolved[key] for key in PLAN_KEYS}
+    request["eval_max_minutes"] = resolved["eval"]["max_minutes"]
+    request["overrides"] = {k: resolved["overrides"][k] for k in ("regen", "cache", "train")}
+    request = json.loads(json.dumps(request))
+    if path.is_file():
+        stored = json.loads(path.read_text())
+        if stored.get("request") != request:
+            changed = sorted(k for k in request if stored.get("request", {}).get(k) != request[k])
+            raise SystemExit(
+                f"quickstart: {path} holds the plan this quickstart was started with, and {changed} "
+                "differ now: its data, features and training run were sized by that plan. Re-run "
+                f"with the same settings to resume it, or pass name=<new name> to start another "
+                f"quickstart (or delete {cfg.dir} and {Path(cfg.paths.log_dir) / 'train' / run_name(cfg)})"
+            )
+        plan = stored["plan"]
+        print(f"quickstart: resuming the plan in {path} (probed {stored['made']})", flush=True)
+        return Plan(**{k: v for k, v in plan.items() if k != "total_s"}), Throughput(**stored["throughput"])
+
+    print("quickstart: probing this machine (a few seconds of each stage's work)…", flush=True)
+    overrides = [f"paths.log_dir={cfg.paths.log_dir}"] + ([f"threads={cfg.threads}"] if cfg.threads else [])
+    regen_cfg = None
+    if cfg.self_distill:
+        regen_cfg = compose("regen", [*regen_overrides(cfg, Path(cfg.regen.dir) / "probe.jsonl"), *overrides])
+        data_cfg = regen_cfg
+    else:
+        data_cfg = compose(
+            "cache", [f"data.heldout_fraction={cfg.heldout_fraction}", *overrides, *cfg.overrides.cache]
+        )
+    cache_cfg = compose("cache", [*overrides, *cfg.overrides.cache])
+    train_cfg = compose(
+        "train",
+        [
+            f"experiment={cfg.experiment}",
+            "datamodule.train_cache=probe",
+            "datamodule.val_cache=probe",
+            *overrides,
+            *cfg.overrides.train,
+        ],
+    )
+    settings = ProbeSettings(**cfg.budget.probe)
+    fields = StoredFields(tuple(cache_cfg.target.aux_layer_ids or ()) if cfg.aux_layers else (), cfg.top_k)
+    throughput = probe(data_cfg, train_cfg, fields, cache_cfg.batch_tokens, settings, regen_cfg)
+    rules = BudgetRules(**{k: v for k, v in cfg.budget.items() if k != "probe"})
+    shape = TrainShape(
+        cfg.heldout_fraction,
+        int(train_cfg.trainer.val_check_interval),
+        int(train_cfg.trainer.limit_val_batches),
+    )
+    try:
+        plan = make_plan(
+            cfg.budget_minutes, throughput, rules, shape, cfg.self_distill,
+            cfg.conversations, cfg.train_steps, cfg.eval.max_minutes,
+        )  # fmt: skip
+    except BudgetError as error:
+        raise SystemExit(f"quickstart: {error}") from None
+    record: dict[str, Any] = {
+        "request": request,
+        "made": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "plan": plan.record(),
+        "throughput": throughput.record(),
+    }
+    write_json_atomic(path, record)
+    return plan, throughput
 
 
 def console_script(name: str) -> str:
@@ -202,23 +321,29 @@ def console_script(name: str) -> str:
     return found
 
 
-def clock(seconds: float) -> str:
-    minutes, seconds = divmod(int(seconds), 60)
-    return f"{minutes}:{seconds:02d}"
-
-
 def run_name(cfg: DictConfig) -> str:
     """The training / benchmark run name: ``name``, suffixed when not self-distilled so the two
     data sources never resume each other's run."""
     return cfg.name if cfg.self_distill else f"{cfg.name}-sharegpt"
 
 
-def print_summary(eval_stage: Stage, timings_path: Path, timings: dict[str, float]) -> None:
-    """τ, acceptance per depth and speedup of the head at each temperature, and where things are."""
+def print_summary(eval_stage: Stage, timings_path: Path, timings: dict[str, float], plan: Plan) -> None:
+    """The time each stage took against its ETA; τ, acceptance per depth and speedup of the head
+    at each temperature; and where things are."""
     overrides = dict(o.split("=", 1) for o in eval_stage.overrides if "=" in o)
     report_dir = Path(overrides["paths.log_dir"]) / "bench" / overrides["run_name"]
     report = json.loads((report_dir / "report.json").read_text())
-    print(f"\n=== quickstart done in {clock(timings['total'])} ===")
+    print(
+        f"\n=== quickstart done in {clock(timings['total'])} (budget {clock(60 * plan.budget_minutes)}) ==="
+    )
+    print(
+        "  ".join(
+            f"{name} {clock(seconds)} (ETA {clock(plan.eta_s[name])})"
+            for name, seconds in timings.items()
+            if name in plan.eta_s
+        )
+    )
+    left = report.get("time_box", {}).get("units_left", 0)
     for temperature, methods in report["results"].items():
         for method, entry in methods.items():
             if method == "plain":
@@ -227,10 +352,13 @@ def print_summary(eval_stage: Stage, timings_path: Path, timings: dict[str, floa
             plain_rate = methods["plain"]["overall"]["tokens_per_s"]
             alphas = ", ".join(f"{a:.2f}" for a in overall.get("acceptance_per_depth") or [] if a is not None)
             print(
-                f"{temperature} {method}: tau {overall['tau']:.2f}, acceptance per depth [{alphas}], "
+                f"{temperature} {method} ({overall['turns']} turns): tau {overall['tau']:.2f}, "
+                f"acceptance per depth [{alphas}], "
                 f"speedup {overall['speedup']:.2f}x over plain decoding "
                 f"({overall['tokens_per_s']:.1f} vs {plain_rate:.1f} tokens/s)"
             )
+    if left:
+        print(f"the eval's time box ({plan.eval_minutes:.1f} min) left {left} of its questions undone")
     print(f"head (native export): {overrides['checkpoint']}")
     print(
         f"report: {report_dir / 'report.json'}, {report_dir / 'acceptance_per_depth.png'}, "

@@ -1,0 +1,442 @@
+"""The quickstart's time budget: measure this machine, then size every stage to fit.
+
+Machines differ by 6× per stage (regeneration ran at 163 tokens/s on an AMX-bf16 CPU and 27 on
+an AVX2 EPYC), so a fixed number of conversations and steps is 45 minutes on one machine and
+two hours on another. Instead:
+
+1. :func:`probe` runs each stage's own code for a few seconds, on the stage's own config — the
+   target answering a batch of real prompts, its features over a few thousand tokens, a few
+   optimizer steps and a validation batch of the experiment's head — and records seconds per
+   unit of work (:class:`Throughput`);
+2. :func:`make_plan` splits the budget: an eval time box (``eval_share``), the start-up of
+   every stage, then data (regeneration + features) and training by ``data_share``, and turns
+   seconds into conversations and optimizer steps with the probed rates.
+
+The plan is written once per quickstart directory and reused when the quickstart resumes, so a
+re-run never re-sizes (and so never orphans) the work already done.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from specdraft.data.cache import StoredFields, write_cache
+from specdraft.data.chat import TokenizedConversation, tokenize_conversations
+from specdraft.data.conversations import Conversation, split_conversations
+from specdraft.data.generate import greedy_generate
+from specdraft.data.hardware import accelerator_device, detect_hardware, resolve_precision
+from specdraft.data.regen import GenerationSettings, TargetResponder
+from specdraft.data.target import Target
+from specdraft.train.cli import build_objective, build_training_head, features_for_objective
+from specdraft.train.module import DraftHeadModule
+
+SECONDS_PER_MINUTE = 60
+# What every stage imports before it does anything (the heaviest stage's modules).
+STAGE_IMPORTS = "import specdraft.train.cli, specdraft.eval.cli"
+PROBE_CONVERSATIONS = 256  # read for the probe: enough prompts to fill a regeneration batch
+PROBE_VAL_BATCHES = 2
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """How much work the probe does per stage (conf/quickstart.yaml ``budget.probe``)."""
+
+    regen_new_tokens: int  # decoding steps timed for regeneration (besides one prefill step)
+    cache_tokens: int  # tokens of features computed (and then trained on)
+    train_steps: int  # optimizer steps; the first one (warm-up) is not timed
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Seconds per unit of work of each stage on this machine, as :func:`probe` measured them.
+
+    Regeneration (None without self-distillation): ``regen_prefill_s`` per answered prompt,
+    ``regen_step_s`` per decoding step of ``regen_rows`` rows, ``answered_fraction`` of the
+    first user turns short enough to answer, ``prompt_tokens`` their mean length."""
+
+    startup_s: float  # one stage's start: Python imports + loading the target
+    regen_rows: int
+    regen_prefill_s: float | None
+    regen_step_s: float | None
+    answered_fraction: float
+    prompt_tokens: float
+    conversation_tokens: float  # mean tokens of one cached conversation of the source as it is
+    cache_tokens_per_s: float
+    train_step_s: float  # one optimizer step of train_tokens_per_step tokens (median)
+    train_tokens_per_step: float
+    val_tokens_per_s: float
+    probe_s: float  # what the probe itself took
+
+    def record(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BudgetRules:
+    """How the budget is split (conf/quickstart.yaml ``budget``)."""
+
+    margin: float  # planned to (1 - margin) × budget: the stages' own noise
+    eval_share: float  # of the budget: the eval's time box
+    data_share: float  # of what is left for data + training: regeneration + features
+    answer_tokens: float  # mean tokens of a regenerated answer (the probe decodes only a few)
+    min_conversations: int
+    min_train_steps: int
+
+
+@dataclass(frozen=True)
+class TrainShape:
+    """What the training stage's config says about its validation cost."""
+
+    heldout_fraction: float
+    val_check_interval: int
+    limit_val_batches: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The sizes of the stages and the expected seconds of each (``eta_s``, by stage name)."""
+
+    budget_minutes: float
+    conversations: int
+    train_steps: int
+    eval_minutes: float
+    eta_s: dict[str, float]
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.eta_s.values())
+
+    def record(self) -> dict[str, Any]:
+        return {**asdict(self), "total_s": self.total_s}
+
+
+class BudgetError(ValueError):
+    """The budget cannot hold the smallest useful quickstart on this machine."""
+
+
+def make_plan(
+    budget_minutes: float,
+    throughput: Throughput,
+    rules: BudgetRules,
+    shape: TrainShape,
+    self_distill: bool,
+    conversations: int | None = None,
+    train_steps: int | None = None,
+    eval_minutes: float | None = None,
+) -> Plan:
+    """Size conversations, optimizer steps and the eval's time box to fit ``budget_minutes``.
+
+    Explicit ``conversations`` / ``train_steps`` / ``eval_minutes`` are kept as given (and the
+    ETAs say what they cost); the others are sized from the time left. Raises BudgetError when
+    the sized stages fall below ``rules.min_*``."""
+    t = throughput
+    budget_s = budget_minutes * SECONDS_PER_MINUTE
+    eval_s = eval_minutes * SECONDS_PER_MINUTE if eval_minutes is not None else rules.eval_share * budget_s
+    stage_names = [
+        *(["regen"] if self_distill else []),
+        "cache train",
+        "cache heldout",
+        "train",
+        "export",
+        "eval",
+    ]
+    fixed_s = t.probe_s + t.startup_s * len(stage_names) + eval_s
+    left_s = (1 - rules.margin) * budget_s - fixed_s
+
+    # Seconds per requested conversation: its answer (prefill + decoding at regen_rows rows), then
+    # its features (prompt + answer tokens). Prompts too long to answer cost (almost) nothing.
+    answered = t.answered_fraction
+    regen_s = 0.0
+    if self_distill:
+        regen_s = answered * (t.regen_prefill_s + rules.answer_tokens * t.regen_step_s / t.regen_rows)
+    tokens = answered * (t.prompt_tokens + rules.answer_tokens) if self_distill else t.conversation_tokens
+    per_conversation_s = regen_s + tokens / t.cache_tokens_per_s
+    sized_conversations, sized_steps = conversations is None, train_steps is None
+    if conversations is None:
+        conversations = math.floor(rules.data_share * left_s / per_conversation_s)
+    heldout_tokens = shape.heldout_fraction * conversations * tokens
+
+    # One optimizer step, plus its share of the periodic validations; then the final one over
+    # the whole held-out split.
+    val_batch_s = t.train_tokens_per_step / t.val_tokens_per_s
+    per_step_s = t.train_step_s + shape.limit_val_batches * val_batch_s / shape.val_check_interval
+    final_val_s = heldout_tokens / t.val_tokens_per_s
+    if train_steps is None:
+        train_left_s = left_s - conversations * per_conversation_s - final_val_s
+        train_steps = math.floor(train_left_s / per_step_s)
+
+    if (sized_conversations and conversations < rules.min_conversations) or (
+        sized_steps and train_steps < rules.min_train_steps
+    ):
+        smallest = rules.min_conversations * per_conversation_s + rules.min_train_steps * per_step_s
+        needed = (fixed_s + smallest + final_val_s) / (1 - rules.margin) / (1 - rules.eval_share)
+        raise BudgetError(
+            f"budget_minutes={budget_minutes:g} is too small on this machine: it leaves "
+            f"{max(conversations, 0)} conversations and {max(train_steps, 0)} training steps, below the "
+            f"minimum {rules.min_conversations} and {rules.min_train_steps} (budget.min_conversations, "
+            f"budget.min_train_steps); ask for about {math.ceil(needed / SECONDS_PER_MINUTE)} minutes"
+        )
+
+    heldout = shape.heldout_fraction * conversations
+    eta = {}
+    if self_distill:
+        eta["regen"] = t.startup_s + conversations * regen_s
+    eta["cache train"] = t.startup_s + (conversations - heldout) * tokens / t.cache_tokens_per_s
+    eta["cache heldout"] = t.startup_s + heldout * tokens / t.cache_tokens_per_s
+    eta["train"] = t.startup_s + train_steps * per_step_s + final_val_s
+    eta["export"] = t.startup_s
+    eta["eval"] = t.startup_s + eval_s
+    eta = {"probe": t.probe_s, **{name: round(seconds, 1) for name, seconds in eta.items()}}
+    return Plan(budget_minutes, conversations, train_steps, eval_s / SECONDS_PER_MINUTE, eta)
+
+
+# -- the probe --------------------------------------------------------------------------------------
+def probe(
+    data_cfg: DictConfig,
+    train_cfg: DictConfig,
+    cache_fields: StoredFields,
+    cache_batch_tokens: int,
+    settings: ProbeSettings,
+    regen_cfg: DictConfig | None = None,
+) -> Throughput:
+    """Time a few seconds of each stage's own work on this machine.
+
+    data_cfg: a stage config with the target and the conversation source the quickstart reads
+    (``target``, ``data``); regen_cfg: the composed specdraft-regen config (None without
+    self-distillation: the source's conversations are cached as they are); train_cfg: the
+    composed specdraft-train config (its ``datamodule`` caches are replaced by the probe's)."""
+    started = time.perf_counter()
+    imports_s = _time_imports()
+    load_started = time.perf_counter()
+    target: Target = instantiate(data_cfg.target)
+    startup_s = imports_s + time.perf_counter() - load_started
+
+    source = instantiate(data_cfg.data.source)
+    train, _ = split_conversations(
+        source.conversations, data_cfg.data.heldout_fraction, data_cfg.data.split_seed
+    )
+    if regen_cfg is not None:  # what the quickstart caches: first turns, answered
+        train = [c for c in map(first_turn, train) if c is not None]
+    samples, _ = tokenize_conversations(
+        target.tokenizer, train[:PROBE_CONVERSATIONS], data_cfg.data.max_length, False
+    )
+    if not samples:
+        raise ValueError(f"probe: {data_cfg.data.source} has no conversation with an answer to probe with")
+
+    regen = _probe_regen(target, regen_cfg, train, settings) if regen_cfg is not None else None
+    with tempfile.TemporaryDirectory(prefix="specdraft-probe-") as workdir:
+        cache_dir = Path(workdir) / "features"
+        cache_tokens_per_s = _probe_cache(
+            target, samples, cache_fields, cache_batch_tokens, cache_dir, settings
+        )
+        train_step_s, tokens_per_step, val_tokens_per_s = _probe_training(
+            train_cfg, target, cache_dir, settings.train_steps, Path(workdir)
+        )
+    rows, prefill_s, step_s, answered, prompt_tokens = regen or (0, None, None, 1.0, 0.0)
+    return Throughput(
+        startup_s=round(startup_s, 2),
+        regen_rows=rows,
+        regen_prefill_s=prefill_s,
+        regen_step_s=step_s,
+        answered_fraction=answered,
+        prompt_tokens=prompt_tokens,
+        conversation_tokens=statistics.fmean(len(s.input_ids) for s in samples),
+        cache_tokens_per_s=round(cache_tokens_per_s, 1),
+        train_step_s=round(train_step_s, 4),
+        train_tokens_per_step=tokens_per_step,
+        val_tokens_per_s=round(val_tokens_per_s, 1),
+        probe_s=round(time.perf_counter() - started, 1),
+    )
+
+
+def first_turn(conversation: Conversation) -> Conversation | None:
+    """The conversation up to its first answer (what the quickstart regenerates and caches)."""
+    roles = [m.role for m in conversation.messages]
+    if "user" not in roles or "assistant" not in roles[roles.index("user") :]:
+        return None
+    end = roles.index("assistant", roles.index("user")) + 1
+    return Conversation(conversation.id, conversation.messages[:end])
+
+
+def first_user(conversation: Conversation) -> str:
+    return next(m.content for m in conversation.messages if m.role == "user")
+
+
+def _time_imports() -> float:
+    """Seconds a fresh Python takes to import the stages' modules (each stage is a process)."""
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", STAGE_IMPORTS], check=True)
+    return time.perf_counter() - started
+
+
+def _probe_regen(
+    target: Target, regen_cfg: DictConfig, conversations: list[Conversation], settings: ProbeSettings
+) -> tuple[int, float, float, float, float]:
+    """(rows, prefill seconds per prompt, seconds per decoding step of ``rows`` rows, answered
+    fraction, mean prompt tokens): two timed generations of one batch of real prompts, one new
+    token and 1 + ``regen_new_tokens``, so prefill and decoding are measured apart."""
+    rows = int(regen_cfg.batch_size)
+    generation = GenerationSettings(**regen_cfg.generation)
+    responder = TargetResponder(target, generation, rows, regen_cfg.max_prompt_tokens)
+    candidates = conversations[: 4 * rows]
+    prompts = [responder.prompt_ids([{"role": "user", "content": first_user(c)}]) for c in candidates]
+    answered = [p for p in prompts if p is not None]
+    if not answered:
+        raise ValueError(f"probe: none of {len(prompts)} prompts fits regen.max_prompt_tokens")
+    batch = sorted(answered[:rows], key=len)
+    spec = target.spec
+    pad_id = spec.pad_token_id if spec.pad_token_id is not None else spec.eos_token_ids[0]
+    never_stop: tuple[int, ...] = ()  # every row decodes every step, as in a full batch
+
+    def timed(new_tokens: int) -> float:
+        started = time.perf_counter()
+        greedy_generate(target.model, batch, new_tokens, never_stop, rows, pad_id)
+        return time.perf_counter() - started
+
+    timed(1)  # warm-up: first-call allocations
+    prefill_s = timed(1)
+    decode_s = timed(1 + settings.regen_new_tokens) - prefill_s
+    return (
+        len(batch),
+        prefill_s / len(batch),
+        decode_s / settings.regen_new_tokens,
+        len(answered) / len(prompts),
+        statistics.fmean(len(p) for p in answered),
+    )
+
+
+def _probe_cache(
+    target: Target,
+    samples: list[TokenizedConversation],
+    fields: StoredFields,
+    batch_tokens: int,
+    out_dir: Path,
+    settings: ProbeSettings,
+) -> float:
+    """Tokens per second of specdraft-cache's own writer over ~``cache_tokens`` tokens; the
+    cache it writes is what :func:`_probe_training` trains on."""
+    chosen, tokens = [], 0
+    for sample in samples:
+        if tokens >= settings.cache_tokens:
+            break
+        chosen.append(sample)
+        tokens += len(sample.input_ids)
+    started = time.perf_counter()
+    write_cache(target, chosen, out_dir, fields, {"probe": True}, batch_tokens=batch_tokens, progress=False)
+    return tokens / (time.perf_counter() - started)
+
+
+class _StepClock(L.Callback):
+    """Wall seconds and real tokens of every training and validation batch."""
+
+    def __init__(self) -> None:
+        self.train: list[tuple[float, int]] = []
+        self.val: list[tuple[float, int]] = []
+        self._started = 0.0
+
+    def _start(self, *_: Any) -> None:
+        self._started = time.perf_counter()
+
+    def _end(self, into: list, batch: Any) -> None:
+        into.append((time.perf_counter() - self._started, int(batch.attention_mask.sum())))
+
+    on_train_batch_start = on_validation_batch_start = _start
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self._end(self.train, batch)
+
+    def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._end(self.val, batch)
+
+
+def _probe_training(
+    train_cfg: DictConfig, target: Target, cache_dir: Path, steps: int, workdir: Path
+) -> tuple[float, float, float]:
+    """(median seconds per optimizer step after the first, mean tokens per step, validation
+    tokens/s): the experiment's head, objective, optimizer and precision on the probe's cache."""
+    cfg = train_cfg.copy()
+    cfg.datamodule.train_cache = cfg.datamodule.val_cache = str(cache_dir)
+    features_for_objective(cfg)
+    datamodule = instantiate(cfg.datamodule)(target=target)
+    head, record = build_training_head(cfg.head, target, datamodule)
+    objective = build_objective(cfg.loss, target, datamodule)
+    module = DraftHeadModule(head, objective, instantiate(cfg.optim), head_record=record)
+    accelerator = str(cfg.trainer.accelerator)
+    hardware = detect_hardware(accelerator_device(accelerator))
+    clock = _StepClock()
+    trainer = L.Trainer(
+        accelerator=accelerator,
+        devices=1,
+        precision=resolve_precision(cfg.trainer.precision, accelerator, hardware),
+        max_steps=steps,
+        val_check_interval=steps,  # counted across epochs: the probe's cache may hold fewer batches
+        check_val_every_n_epoch=None,
+        limit_val_batches=PROBE_VAL_BATCHES,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock],
+        default_root_dir=workdir,
+    )
+    trainer.fit(module, datamodule=datamodule)
+    timed = clock.train[1:] or clock.train
+    val_s = sum(seconds for seconds, _ in clock.val)
+    val_tokens = sum(tokens for _, tokens in clock.val)
+    return (
+        statistics.median(seconds for seconds, _ in timed),
+        statistics.fmean(tokens for _, tokens in timed),
+        val_tokens / val_s,
+    )
+
+
+def describe(plan: Plan, throughput: Throughput, hardware: str, eval_what: str, self_distill: bool) -> str:
+    """The plan as the quickstart prints it before starting: one line per stage with its ETA."""
+    t = throughput
+    lines = [
+        f"quickstart plan: budget {plan.budget_minutes:g} min on {hardware} "
+        f"(probed in {clock(t.probe_s)}; stage start-up {t.startup_s:.0f} s each)"
+    ]
+    detail = {
+        "probe": "each stage's work timed for a few seconds",
+        "cache train": f"features at {t.cache_tokens_per_s:,.0f} tokens/s",
+        "cache heldout": "",
+        "train": f"{plan.train_steps} steps × ~{t.train_tokens_per_step:,.0f} tokens "
+        f"({t.train_tokens_per_step / t.train_step_s:,.0f} tokens/s)",
+        "export": "",
+        "eval": f"time box {plan.eval_minutes:.1f} min: {eval_what}",
+    }
+    if self_distill:
+        rate = t.regen_rows / t.regen_step_s
+        detail["regen"] = f"{plan.conversations} conversations ({rate:,.0f} tokens/s at {t.regen_rows} rows)"
+    else:
+        detail["cache train"] = f"{plan.conversations} conversations; " + detail["cache train"]
+    for name, seconds in plan.eta_s.items():
+        lines.append(f"  {name:<14} ~{clock(seconds):>6}   {detail.get(name, '')}".rstrip())
+    lines.append(f"  {'total':<14} ~{clock(plan.total_s):>6}   of {clock(plan.budget_minutes * 60)}")
+    return "\n".join(lines)
+
+
+def clock(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes}:{seconds:02d}"
+
+
+def matches(stored: Mapping[str, Any], request: Mapping[str, Any]) -> bool:
+    """Whether a stored plan was made for this request (JSON round-trip: tuples become lists)."""
+    return stored.get("request") == json.loads(json.dumps(request))
