@@ -125,6 +125,18 @@ def test_bench_resumes_after_a_kill_and_refuses_a_changed_config(tmp_path):
     assert len(records.read_text().splitlines()) == 2  # nothing touched
 
 
+def test_a_time_boxed_bench_stops_between_questions_and_resumes_without_its_box(tmp_path):
+    boxed = compose_bench(tmp_path, "eval", "temperatures=[0.0]", "max_minutes=0.0001")
+    report = run(boxed)
+    assert report["time_box"] == {"max_seconds": 0.006, "units_left": 1}  # the first question always runs
+    assert report["results"]["T=0"]["plain"]["overall"]["turns"] == 2  # question 1: two turns
+    assert "max_minutes" not in report["config"]  # a limit of this invocation, not of the run
+
+    report = run(compose_bench(tmp_path, "eval", "temperatures=[0.0]"))  # the same run, resumed
+    assert "time_box" not in report
+    assert report["results"]["T=0"]["plain"]["overall"]["turns"] == 3
+
+
 def test_spec_bench_reader_errors_name_the_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(QUESTIONS[0]) + "\n" + json.dumps({"question_id": 9, "turns": []}) + "\n")
@@ -144,6 +156,11 @@ def test_spec_bench_per_category_takes_the_first_questions_of_each_category(tmp_
     questions = read_spec_bench(path, per_category=2, max_turns=1)
     assert [q.id for q in questions] == ["0", "1", "2", "3"] and questions[0].turns == ("q0",)
     assert [q.id for q in read_spec_bench(path, ["b"], per_category=2)] == ["1", "3"]
+    grouped = [{"question_id": i, "category": "aaabbbc"[i], "turns": [f"q{i}"]} for i in range(7)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in grouped))
+    # round-robin over the categories: any prefix (a limit, a time box) stays balanced
+    assert [q.id for q in read_spec_bench(path, per_category=2)] == ["0", "3", "6", "1", "4"]
+    assert [q.id for q in read_spec_bench(path, per_category=2, limit=3)] == ["0", "3", "6"]
 
 
 def test_load_head_refuses_another_target(tmp_path):

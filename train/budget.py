@@ -68,7 +68,7 @@ class Throughput:
     ``regen_step_s`` per decoding step of ``regen_rows`` rows, ``answered_fraction`` of the
     first user turns short enough to answer, ``prompt_tokens`` their mean length."""
 
-    startup_s: float  # one stage's start: Python imports + loading the target
+    startup_s: float  # one stage's start: Python imports, the target, the conversations
     regen_rows: int
     regen_prefill_s: float | None
     regen_step_s: float | None
@@ -182,13 +182,23 @@ def make_plan(
     if (sized_conversations and conversations < rules.min_conversations) or (
         sized_steps and train_steps < rules.min_train_steps
     ):
-        smallest = rules.min_conversations * per_conversation_s + rules.min_train_steps * per_step_s
-        needed = (fixed_s + smallest + final_val_s) / (1 - rules.margin) / (1 - rules.eval_share)
+        # The smallest budget whose split meets both minimums (the final validation grows with
+        # the conversations, k seconds per second of data).
+        k = shape.heldout_fraction * tokens / t.val_tokens_per_s / per_conversation_s
+        left_needed = max(
+            rules.min_conversations * per_conversation_s / rules.data_share,
+            rules.min_train_steps * per_step_s / (1 - rules.data_share - rules.data_share * k),
+        )
+        startups_s = t.probe_s + t.startup_s * len(stage_names)
+        if eval_minutes is None:
+            needed = (left_needed + startups_s) / (1 - rules.margin - rules.eval_share)
+        else:
+            needed = (left_needed + startups_s + eval_s) / (1 - rules.margin)
         raise BudgetError(
             f"budget_minutes={budget_minutes:g} is too small on this machine: it leaves "
             f"{max(conversations, 0)} conversations and {max(train_steps, 0)} training steps, below the "
             f"minimum {rules.min_conversations} and {rules.min_train_steps} (budget.min_conversations, "
-            f"budget.min_train_steps); ask for about {math.ceil(needed / SECONDS_PER_MINUTE)} minutes"
+            f"budget.min_train_steps); ask for {math.ceil(needed / SECONDS_PER_MINUTE) + 1} minutes"
         )
 
     heldout = shape.heldout_fraction * conversations
@@ -223,9 +233,9 @@ def probe(
     imports_s = _time_imports()
     load_started = time.perf_counter()
     target: Target = instantiate(data_cfg.target)
-    startup_s = imports_s + time.perf_counter() - load_started
-
     source = instantiate(data_cfg.data.source)
+    # Every stage loads the target and most read the conversations (eval: its shortlist's).
+    startup_s = imports_s + time.perf_counter() - load_started
     train, _ = split_conversations(
         source.conversations, data_cfg.data.heldout_fraction, data_cfg.data.split_seed
     )
@@ -307,7 +317,8 @@ def _probe_regen(
         greedy_generate(target.model, batch, new_tokens, never_stop, rows, pad_id)
         return time.perf_counter() - started
 
-    timed(1)  # warm-up: first-call allocations
+    # Warm-up (first-call allocations, kernel choices) on two prompts, not the whole batch.
+    greedy_generate(target.model, batch[:2], 2, never_stop, rows, pad_id)
     prefill_s = timed(1)
     decode_s = timed(1 + settings.regen_new_tokens) - prefill_s
     return (

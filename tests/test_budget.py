@@ -1,0 +1,87 @@
+"""The quickstart's planner (train/budget.py make_plan): the budget split as documented, explicit
+sizes kept, a too-small budget refused with the minutes that would do. The probe itself runs in
+test_quickstart's end-to-end test."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+
+from specdraft.train.budget import BudgetError, BudgetRules, Throughput, TrainShape, make_plan
+
+# Rates of the order measured on a 2-core AVX2 EPYC with SmolLM2 (fp32).
+THROUGHPUT = Throughput(
+    startup_s=12.0,
+    regen_rows=32,
+    regen_prefill_s=0.1,
+    regen_step_s=0.4,  # 80 tokens/s at 32 rows
+    answered_fraction=0.8,
+    prompt_tokens=100.0,
+    conversation_tokens=900.0,
+    cache_tokens_per_s=1000.0,
+    train_step_s=10.0,
+    train_tokens_per_step=3500.0,
+    val_tokens_per_s=1400.0,
+    probe_s=70.0,
+)
+RULES = BudgetRules(
+    margin=0.05, eval_share=0.2, data_share=0.5, answer_tokens=190, min_conversations=64, min_train_steps=50
+)
+SHAPE = TrainShape(heldout_fraction=0.05, val_check_interval=50, limit_val_batches=8)
+
+
+def plan(budget_minutes: float = 45, throughput: Throughput = THROUGHPUT, **sizes):
+    return make_plan(budget_minutes, throughput, RULES, SHAPE, sizes.pop("self_distill", True), **sizes)
+
+
+def test_the_plan_fills_the_budget_less_its_margin_and_splits_it_as_configured():
+    made = plan()
+    budget_s = 45 * 60
+    assert list(made.eta_s) == ["probe", "regen", "cache train", "cache heldout", "train", "export", "eval"]
+    assert 0.93 * budget_s < made.total_s <= 0.95 * budget_s  # whole conversations / steps only
+    assert made.eval_minutes == pytest.approx(0.2 * 45)
+    assert made.eta_s["eval"] == pytest.approx(THROUGHPUT.startup_s + 0.2 * budget_s)
+    fixed_s = THROUGHPUT.probe_s + 6 * THROUGHPUT.startup_s + 0.2 * budget_s
+    data_s = made.eta_s["regen"] + made.eta_s["cache train"] + made.eta_s["cache heldout"] - 3 * 12.0
+    assert data_s == pytest.approx(0.5 * (0.95 * budget_s - fixed_s), rel=0.01)
+    # per conversation: 0.8 × (0.1 + 190 × 0.4 / 32) s answering + 0.8 × 290 tokens / 1000 tokens/s
+    assert made.conversations == int(
+        0.5 * (0.95 * budget_s - fixed_s) / (0.8 * (0.1 + 190 * 0.4 / 32) + 0.232)
+    )
+
+
+def test_faster_regeneration_buys_conversations_and_a_bigger_budget_buys_both():
+    base = plan()
+    faster = plan(throughput=replace(THROUGHPUT, regen_step_s=0.2))
+    assert faster.conversations > base.conversations and faster.train_steps == pytest.approx(
+        base.train_steps, abs=1
+    )
+    bigger = plan(budget_minutes=90)
+    assert bigger.conversations > 2 * base.conversations and bigger.train_steps > 2 * base.train_steps
+
+
+def test_explicit_sizes_are_kept_and_their_cost_shows_in_the_etas():
+    made = plan(conversations=768, train_steps=400, eval_minutes=8)
+    assert (made.conversations, made.train_steps, made.eval_minutes) == (768, 400, 8)
+    assert made.total_s > 45 * 60  # 768 conversations and 400 steps do not fit 45 min here: the ETAs say so
+    only_steps = plan(train_steps=60)
+    assert only_steps.train_steps == 60 and only_steps.conversations == plan().conversations
+
+
+def test_without_self_distillation_there_is_no_regeneration_and_whole_conversations_are_cached():
+    made = plan(self_distill=False)
+    assert "regen" not in made.eta_s
+    per_conversation_s = THROUGHPUT.conversation_tokens / THROUGHPUT.cache_tokens_per_s
+    cache_s = made.eta_s["cache train"] + made.eta_s["cache heldout"] - 2 * THROUGHPUT.startup_s
+    assert cache_s == pytest.approx(made.conversations * per_conversation_s)
+
+
+def test_a_budget_too_small_is_refused_with_the_minutes_that_would_do():
+    with pytest.raises(BudgetError, match=r"budget_minutes=10 is too small on this machine") as caught:
+        plan(budget_minutes=10)
+    needed = int(re.search(r"ask for (\d+) minutes", str(caught.value)).group(1))
+    enough = plan(budget_minutes=needed)
+    assert needed < 30  # and not far above what is needed
+    assert enough.conversations >= RULES.min_conversations and enough.train_steps >= RULES.min_train_steps
