@@ -47,7 +47,6 @@ from specdraft.data.atomic import write_bytes_atomic, write_json_atomic
 ROOT = Path(__file__).resolve().parents[1]
 LOG_DIR = Path(os.environ.get("SPECDRAFT_LOG_DIR", ROOT / "outputs"))
 QUICKSTART = LOG_DIR / "quickstart"
-FEATURES = QUICKSTART / "features" / "regen"
 RESULTS = LOG_DIR / "results"
 DOCS = ROOT / "docs"
 SNAPSHOTS = DOCS / "results"  # the measured numbers the doc is rendered from (committed)
@@ -149,8 +148,8 @@ def ablation(budget: str) -> None:
             f"run_name={name}",
             f"paths.log_dir={RESULTS}",
             "datamodule=cached",
-            f"datamodule.train_cache={FEATURES / 'train'}",
-            f"datamodule.val_cache={FEATURES / 'heldout'}",
+            f"datamodule.train_cache={quickstart_features() / 'train'}",
+            f"datamodule.val_cache={quickstart_features() / 'heldout'}",
             "datamodule.max_batch_tokens=4096",
             f"trainer.max_time={budget}",
             "trainer.max_steps=1000000",
@@ -307,7 +306,11 @@ def snapshot_runs(decoder_provenance: str | None = None) -> None:
         training = {name: training_summary(RESULTS / "train" / name) for name in ABLATION}
         write_json_atomic(
             SNAPSHOTS / "ablation.json",
-            {"report": compact(report), "data": manifest_counts(FEATURES / "train"), "training": training},
+            {
+                "report": compact(report),
+                "data": manifest_counts(quickstart_features() / "train"),
+                "training": training,
+            },
         )
     report = read_json(RESULTS / "bench" / "curve" / "report.json")
     if report is not None:
@@ -358,6 +361,16 @@ def training_summary(run_dir: Path) -> dict | None:
 def manifest_counts(cache_dir: Path) -> dict | None:
     manifest = read_json(cache_dir / "manifest.json")
     return {key: manifest[key] for key in ("num_samples", "num_tokens")} if manifest else None
+
+
+def quickstart_features() -> Path:
+    """The feature caches of the default quickstart run (their directory names the planned
+    number of conversations): the parent of the train cache its training read."""
+    config = LOG_DIR / "train" / "quickstart" / "run_config.yaml"
+    if not config.is_file():
+        raise SystemExit(f"{config} is missing: run the quickstart first (make run)")
+    cache = Path(yaml.safe_load(config.read_text())["datamodule"]["train_cache"])
+    return (cache if cache.is_absolute() else ROOT / cache).parent
 
 
 def run_data(run: str) -> dict | None:
@@ -480,7 +493,7 @@ def quickstart_section() -> list[str] | None:
             "",
             f"- data: {data_text(snapshot['data'])} (train cache)",
             f"- training: {training_line(snapshot['training'])}",
-            "- stage wall times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in snapshot["timings"].items()),
+            "- stage wall times (s): " + stage_times(snapshot["timings"]),
             *([f"- conditions: {RUN_CONDITIONS[run]}"] if run in RUN_CONDITIONS else []),
             f"- prompts: {prompts_line(report)}",
             "",
@@ -490,6 +503,16 @@ def quickstart_section() -> list[str] | None:
             "",
         ]
     return lines
+
+
+def stage_times(timings: dict) -> str:
+    """``regen 612 (ETA 608), …``: a budgeted quickstart's timings carry its plan's ETAs."""
+    eta = timings.get("eta", {})
+    return ", ".join(
+        f"{k} {v:.0f}" + (f" (ETA {eta[k]:.0f})" if k in eta else "")
+        for k, v in timings.items()
+        if isinstance(v, int | float) and k != "budget_minutes"
+    ) + (f"; budget {timings['budget_minutes']:g} min" if "budget_minutes" in timings else "")
 
 
 def ablation_section() -> list[str] | None:

@@ -21,7 +21,6 @@ def results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     log_dir = tmp_path / "outputs"
     monkeypatch.setattr(module, "LOG_DIR", log_dir)
     monkeypatch.setattr(module, "RESULTS", log_dir / "results")
-    monkeypatch.setattr(module, "FEATURES", log_dir / "quickstart" / "features" / "regen")
     monkeypatch.setattr(module, "DOCS", tmp_path / "docs")
     monkeypatch.setattr(module, "SNAPSHOTS", tmp_path / "docs" / "results")
     return module
@@ -63,10 +62,11 @@ def fake_ablation_outputs(log_dir: Path) -> None:
     write(log_dir / "results" / "bench" / "ablation" / "report.json", report)
     summary = {"global_step": 120, "tokens_seen": 491520, "fit_seconds": 600.0, "best_sim_tau": 1.61}
     write(log_dir / "results" / "train" / "eagle" / "summary.json", {**summary, "best_checkpoint": "/x.ckpt"})
-    write(
-        log_dir / "quickstart" / "features" / "regen" / "train" / "manifest.json",
-        {"num_samples": 639, "num_tokens": 188364},
-    )
+    features = log_dir / "quickstart" / "features" / "regen-768"  # named by the planned conversations
+    write(features / "train" / "manifest.json", {"num_samples": 639, "num_tokens": 188364})
+    run_config = log_dir / "train" / "quickstart" / "run_config.yaml"  # the quickstart training's
+    run_config.parent.mkdir(parents=True)
+    run_config.write_text(f"datamodule:\n  train_cache: {features / 'train'}\n")
 
 
 def test_doc_renders_from_snapshots_and_keeps_what_it_cannot_reread(results, tmp_path: Path) -> None:
