@@ -14,7 +14,7 @@ equal ``generate(do_sample=False)``'s on each prompt alone (tested).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch import Tensor
@@ -134,12 +134,15 @@ def greedy_generate(
     eos_token_ids: Collection[int],
     batch_size: int = 32,
     pad_token_id: int = 0,
+    on_step: Callable[[int], object] | None = None,
 ) -> list[list[int]]:
     """Greedy continuations of ``prompts``, ``batch_size`` at a time, continuously batched: a row
     whose answer ended takes the next prompt of the queue at once (its prefill runs beside the
     batch), so the batch stays full until the queue is empty; then ended rows leave it.
 
     prompts  token ids of each prompt (any lengths)
+    on_step  called after each decoding step with the number of rows it advanced (a progress
+             bar, a probe timing the steps)
     returns  per prompt, its new token ids, ending at its first end-of-sequence token (kept) or
              after ``max_new_tokens`` tokens
     """
@@ -202,6 +205,8 @@ def greedy_generate(
         slots.write += advance
         slots.position += advance
         emit(active, logits[active].argmax(-1).tolist())
+        if on_step is not None:
+            on_step(len(active))
         refill()
     return outputs
 

@@ -22,8 +22,8 @@ THROUGHPUT = Throughput(
     conversation_tokens=900.0,
     cache_tokens_per_s=1000.0,
     train_step_s=10.0,
-    train_tokens_per_step=3500.0,
-    val_tokens_per_s=1400.0,
+    train_batch_positions=4096,
+    val_positions_per_s=1400.0,
     probe_s=70.0,
 )
 RULES = BudgetRules(

@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ SECONDS_PER_MINUTE = 60
 STAGE_IMPORTS = "import specdraft.train.cli, specdraft.eval.cli"
 PROBE_CONVERSATIONS = 256  # read for the probe: enough prompts to fill a regeneration batch
 PROBE_VAL_BATCHES = 2
+PROBE_WARMUP_TOKENS = 8  # prompt tokens per row of the regeneration probe's warm-up
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,13 @@ class ProbeSettings:
     regen_new_tokens: int  # decoding steps timed for regeneration (besides one prefill step)
     cache_tokens: int  # tokens of features computed (and then trained on)
     train_steps: int  # optimizer steps; the first one (warm-up) is not timed
+
+    def __post_init__(self) -> None:
+        if self.regen_new_tokens < 2 or self.train_steps < 2:
+            raise ValueError(
+                "budget.probe: regen_new_tokens and train_steps must be >= 2 (the first step of each "
+                f"is not timed), got {self.regen_new_tokens} and {self.train_steps}"
+            )
 
 
 @dataclass(frozen=True)
@@ -76,9 +85,12 @@ class Throughput:
     prompt_tokens: float
     conversation_tokens: float  # mean tokens of one cached conversation of the source as it is
     cache_tokens_per_s: float
-    train_step_s: float  # one optimizer step of train_tokens_per_step tokens (median)
-    train_tokens_per_step: float
-    val_tokens_per_s: float
+    # Training and validation cost follows the padded batch (B × T positions), which the
+    # length-bucketed sampler fills up to max_batch_tokens; the probe's few batches are smaller,
+    # so its median step is scaled to a full batch (fixed costs scaled too: conservative).
+    train_step_s: float  # one optimizer step of a full batch
+    train_batch_positions: int  # datamodule.max_batch_tokens
+    val_positions_per_s: float
     probe_s: float  # what the probe itself took
 
     def record(self) -> dict[str, Any]:
@@ -172,9 +184,9 @@ def make_plan(
 
     # One optimizer step, plus its share of the periodic validations; then the final one over
     # the whole held-out split.
-    val_batch_s = t.train_tokens_per_step / t.val_tokens_per_s
+    val_batch_s = t.train_batch_positions / t.val_positions_per_s
     per_step_s = t.train_step_s + shape.limit_val_batches * val_batch_s / shape.val_check_interval
-    final_val_s = heldout_tokens / t.val_tokens_per_s
+    final_val_s = heldout_tokens / t.val_positions_per_s
     if train_steps is None:
         train_left_s = left_s - conversations * per_conversation_s - final_val_s
         train_steps = math.floor(train_left_s / per_step_s)
@@ -184,7 +196,7 @@ def make_plan(
     ):
         # The smallest budget whose split meets both minimums (the final validation grows with
         # the conversations, k seconds per second of data).
-        k = shape.heldout_fraction * tokens / t.val_tokens_per_s / per_conversation_s
+        k = shape.heldout_fraction * tokens / t.val_positions_per_s / per_conversation_s
         left_needed = max(
             rules.min_conversations * per_conversation_s / rules.data_share,
             rules.min_train_steps * per_step_s / (1 - rules.data_share - rules.data_share * k),
@@ -253,7 +265,7 @@ def probe(
         cache_tokens_per_s = _probe_cache(
             target, samples, cache_fields, cache_batch_tokens, cache_dir, settings
         )
-        train_step_s, tokens_per_step, val_tokens_per_s = _probe_training(
+        train_step_s, batch_positions, val_positions_per_s = _probe_training(
             train_cfg, target, cache_dir, settings.train_steps, Path(workdir)
         )
     rows, prefill_s, step_s, answered, prompt_tokens = regen or (0, None, None, 1.0, 0.0)
@@ -267,8 +279,8 @@ def probe(
         conversation_tokens=statistics.fmean(len(s.input_ids) for s in samples),
         cache_tokens_per_s=round(cache_tokens_per_s, 1),
         train_step_s=round(train_step_s, 4),
-        train_tokens_per_step=tokens_per_step,
-        val_tokens_per_s=round(val_tokens_per_s, 1),
+        train_batch_positions=batch_positions,
+        val_positions_per_s=round(val_positions_per_s, 1),
         probe_s=round(time.perf_counter() - started, 1),
     )
 
@@ -297,8 +309,8 @@ def _probe_regen(
     target: Target, regen_cfg: DictConfig, conversations: list[Conversation], settings: ProbeSettings
 ) -> tuple[int, float, float, float, float]:
     """(rows, prefill seconds per prompt, seconds per decoding step of ``rows`` rows, answered
-    fraction, mean prompt tokens): two timed generations of one batch of real prompts, one new
-    token and 1 + ``regen_new_tokens``, so prefill and decoding are measured apart."""
+    fraction, mean prompt tokens): one batch of real prompts generating 1 + ``regen_new_tokens``
+    tokens, every decoding step timed apart from the prefill before it."""
     rows = int(regen_cfg.batch_size)
     generation = GenerationSettings(**regen_cfg.generation)
     responder = TargetResponder(target, generation, rows, regen_cfg.max_prompt_tokens)
@@ -307,24 +319,26 @@ def _probe_regen(
     answered = [p for p in prompts if p is not None]
     if not answered:
         raise ValueError(f"probe: none of {len(prompts)} prompts fits regen.max_prompt_tokens")
-    batch = sorted(answered[:rows], key=len)
+    batch = answered[:rows]
     spec = target.spec
     pad_id = spec.pad_token_id if spec.pad_token_id is not None else spec.eos_token_ids[0]
     never_stop: tuple[int, ...] = ()  # every row decodes every step, as in a full batch
 
-    def timed(new_tokens: int) -> float:
-        started = time.perf_counter()
-        greedy_generate(target.model, batch, new_tokens, never_stop, rows, pad_id)
-        return time.perf_counter() - started
-
-    # Warm-up (first-call allocations, kernel choices) on two prompts, not the whole batch.
-    greedy_generate(target.model, batch[:2], 2, never_stop, rows, pad_id)
-    prefill_s = timed(1)
-    decode_s = timed(1 + settings.regen_new_tokens) - prefill_s
+    # Warm-up at the batch's shapes (allocations, kernel choices) on short prompts: cheap, and
+    # what first-call costs remain make the prefill look slower, never faster.
+    greedy_generate(target.model, [p[:PROBE_WARMUP_TOKENS] for p in batch], 2, never_stop, rows, pad_id)
+    stamps: list[float] = []
+    started = time.perf_counter()
+    greedy_generate(
+        target.model, batch, 1 + settings.regen_new_tokens, never_stop, rows, pad_id,
+        on_step=lambda _: stamps.append(time.perf_counter()),
+    )  # fmt: skip
+    step_s = statistics.median(b - a for a, b in pairwise(stamps))
+    prefill_s = stamps[0] - started - step_s  # the first stamp ends the prefill and one step
     return (
         len(batch),
         prefill_s / len(batch),
-        decode_s / settings.regen_new_tokens,
+        step_s,
         len(answered) / len(prompts),
         statistics.fmean(len(p) for p in answered),
     )
@@ -352,7 +366,7 @@ def _probe_cache(
 
 
 class _StepClock(L.Callback):
-    """Wall seconds and real tokens of every training and validation batch."""
+    """Wall seconds and padded positions (B × T) of every training and validation batch."""
 
     def __init__(self) -> None:
         self.train: list[tuple[float, int]] = []
@@ -363,7 +377,7 @@ class _StepClock(L.Callback):
         self._started = time.perf_counter()
 
     def _end(self, into: list, batch: Any) -> None:
-        into.append((time.perf_counter() - self._started, int(batch.attention_mask.sum())))
+        into.append((time.perf_counter() - self._started, batch.attention_mask.numel()))
 
     on_train_batch_start = on_validation_batch_start = _start
 
@@ -377,8 +391,9 @@ class _StepClock(L.Callback):
 def _probe_training(
     train_cfg: DictConfig, target: Target, cache_dir: Path, steps: int, workdir: Path
 ) -> tuple[float, float, float]:
-    """(median seconds per optimizer step after the first, mean tokens per step, validation
-    tokens/s): the experiment's head, objective, optimizer and precision on the probe's cache."""
+    """(median seconds of an optimizer step after the first, scaled to a full batch; the full
+    batch's positions; validation positions/s): the experiment's head, objective, optimizer and
+    precision on the probe's cache."""
     cfg = train_cfg.copy()
     cfg.datamodule.train_cache = cfg.datamodule.val_cache = str(cache_dir)
     features_for_objective(cfg)
@@ -406,13 +421,14 @@ def _probe_training(
         default_root_dir=workdir,
     )
     trainer.fit(module, datamodule=datamodule)
+    full = int(cfg.datamodule.max_batch_tokens)
     timed = clock.train[1:] or clock.train
     val_s = sum(seconds for seconds, _ in clock.val)
-    val_tokens = sum(tokens for _, tokens in clock.val)
+    val_positions = sum(positions for _, positions in clock.val)
     return (
-        statistics.median(seconds for seconds, _ in timed),
-        statistics.fmean(tokens for _, tokens in timed),
-        val_tokens / val_s,
+        statistics.median(seconds * full / positions for seconds, positions in timed),
+        full,
+        val_positions / val_s,
     )
 
 
@@ -427,8 +443,8 @@ def describe(plan: Plan, throughput: Throughput, hardware: str, eval_what: str, 
         "probe": "each stage's work timed for a few seconds",
         "cache train": f"features at {t.cache_tokens_per_s:,.0f} tokens/s",
         "cache heldout": "",
-        "train": f"{plan.train_steps} steps × ~{t.train_tokens_per_step:,.0f} tokens "
-        f"({t.train_tokens_per_step / t.train_step_s:,.0f} tokens/s)",
+        "train": f"{plan.train_steps} steps × {t.train_batch_positions:,} positions "
+        f"({t.train_batch_positions / t.train_step_s:,.0f} positions/s)",
         "export": "",
         "eval": f"time box {plan.eval_minutes:.1f} min: {eval_what}",
     }
