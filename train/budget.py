@@ -234,13 +234,16 @@ def probe(
     cache_batch_tokens: int,
     settings: ProbeSettings,
     regen_cfg: DictConfig | None = None,
+    answer_tokens: int | None = None,
 ) -> Throughput:
     """Time a few seconds of each stage's own work on this machine.
 
     data_cfg: a stage config with the target and the conversation source the quickstart reads
     (``target``, ``data``); regen_cfg: the composed specdraft-regen config (None without
     self-distillation: the source's conversations are cached as they are); train_cfg: the
-    composed specdraft-train config (its ``datamodule`` caches are replaced by the probe's)."""
+    composed specdraft-train config (its ``datamodule`` caches are replaced by the probe's);
+    answer_tokens: the answers' expected length (self-distillation: the source's answers are cut
+    to it)."""
     started = time.perf_counter()
     imports_s = _time_imports()
     load_started = time.perf_counter()
@@ -256,6 +259,10 @@ def probe(
     samples, _ = tokenize_conversations(
         target.tokenizer, train[:PROBE_CONVERSATIONS], data_cfg.data.max_length, False
     )
+    if answer_tokens is not None:
+        # Regenerated answers are shorter than ShareGPT's: features and training batches of
+        # sequences as long as the real ones (attention and padding grow with the length).
+        samples = [answer_cut(sample, answer_tokens) for sample in samples]
     if not samples:
         raise ValueError(f"probe: {data_cfg.data.source} has no conversation with an answer to probe with")
 
@@ -292,6 +299,12 @@ def first_turn(conversation: Conversation) -> Conversation | None:
         return None
     end = roles.index("assistant", roles.index("user")) + 1
     return Conversation(conversation.id, conversation.messages[:end])
+
+
+def answer_cut(sample: TokenizedConversation, answer_tokens: int) -> TokenizedConversation:
+    """``sample`` up to ``answer_tokens`` tokens after its first answer token."""
+    end = sample.loss_mask.index(1) + answer_tokens
+    return TokenizedConversation(sample.id, sample.input_ids[:end], sample.loss_mask[:end])
 
 
 def first_user(conversation: Conversation) -> str:

@@ -286,7 +286,10 @@ def load_or_make_plan(cfg: DictConfig) -> tuple[Plan, Throughput]:
     )
     settings = ProbeSettings(**cfg.budget.probe)
     fields = StoredFields(tuple(cache_cfg.target.aux_layer_ids or ()) if cfg.aux_layers else (), cfg.top_k)
-    throughput = probe(data_cfg, train_cfg, fields, cache_cfg.batch_tokens, settings, regen_cfg)
+    answer_tokens = int(cfg.budget.answer_tokens) if cfg.self_distill else None
+    throughput = probe(
+        data_cfg, train_cfg, fields, cache_cfg.batch_tokens, settings, regen_cfg, answer_tokens
+    )
     rules = BudgetRules(**{k: v for k, v in cfg.budget.items() if k != "probe"})
     shape = TrainShape(
         cfg.heldout_fraction,
