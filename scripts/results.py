@@ -59,6 +59,10 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "quickstart-budget-avx2": (
+        "quickstart-budget-avx2",
+        "make run (fresh clone: install + specdraft-quickstart, budget_minutes=45) on an AVX2 CPU",
+    ),
     "quickstart": ("quickstart", "make run (fresh clone: install + specdraft-quickstart)"),
     "quickstart-512": (
         "quickstart-512",
@@ -87,6 +91,12 @@ ABLATION = {
 }
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "quickstart-budget-avx2": (
+        "2026-11-24, `time make run` in a fresh clone of commit 180e2b3, alone on the machine (the "
+        "GGUF's dequantized cache warm, no outputs): 42:03 wall in all, of which the quickstart "
+        "40:46 of its 45-minute budget. The plan: 362 conversations, 188 training steps, a 9-minute "
+        "eval box. Outputs copied from that clone's run `quickstart` under this run name."
+    ),
     "quickstart": (
         "2026-11-22, `time make run` in a fresh clone of commit 6206b5f with an empty "
         "SPECDRAFT_CACHE_DIR and no outputs (pip's download cache warm), alone on the machine: "
@@ -246,7 +256,7 @@ def doc(decoder_provenance: str | None = None) -> None:
         "",
     ]
     for title, render, how in (
-        (QUICKSTART_TITLE, quickstart_section, "make quickstart"),
+        (QUICKSTART_TITLE, lambda: quickstart_section(previous.get(QUICKSTART_TITLE, [])), "make quickstart"),
         (ABLATION_TITLE, ablation_section, "python scripts/results.py --stages ablation bench doc"),
         (CURVE_TITLE, curve_section, "python scripts/results.py --stages curve doc"),
         (
@@ -339,6 +349,7 @@ def compact(report: dict) -> dict:
     prompts, config = report["config"]["prompts"], report["config"]
     return {
         "machine": report["machine"],
+        **({"time_box": report["time_box"]} if "time_box" in report else {}),
         "config": {
             "prompts": {key: prompts.get(key) for key in ("per_category", "max_turns")},
             "max_new_tokens": config["max_new_tokens"],
@@ -480,29 +491,62 @@ def training_line(summary: dict | None) -> str:
     )
 
 
-def quickstart_section() -> list[str] | None:
+def quickstart_section(previous: list[str]) -> list[str] | None:
+    """A subsection per quickstart run with a snapshot, then the ``previous`` text of runs that
+    have none (measured before snapshots existed, on machines that are gone)."""
     runs = [(run, read_json(SNAPSHOTS / f"quickstart-{run}.json")) for run in QUICKSTART_RUNS]
     runs = [(run, snapshot) for run, snapshot in runs if snapshot is not None]
     if not runs:
         return None
-    lines = [f"Machine: {machine_line(runs[0][1]['report'])}.", ""]
+    lines = []
     for run, snapshot in runs:
         report = snapshot["report"]
+        box = report.get("time_box")
         lines += [
             f"### `{QUICKSTART_RUNS[run][1]}` (run `{run}`)",
             "",
+            f"- machine: {machine_line(report)}",
             f"- data: {data_text(snapshot['data'])} (train cache)",
             f"- training: {training_line(snapshot['training'])}",
             "- stage wall times (s): " + stage_times(snapshot["timings"]),
             *([f"- conditions: {RUN_CONDITIONS[run]}"] if run in RUN_CONDITIONS else []),
-            f"- prompts: {prompts_line(report)}",
+            f"- prompts: {prompts_line(report)}"
+            + (
+                f"; a {box['max_seconds'] / 60:.1f}-min time box left {box['units_left']} undone"
+                if box
+                else ""
+            ),
             "",
             HEADER,
             SEPARATOR,
             *head_rows(report["results"], [m for m in report["results"]["T=0"] if m != "plain"]),
             "",
         ]
-    return lines
+    return lines + kept_runs(previous, {run for run, _ in runs})
+
+
+def kept_runs(previous: list[str], snapshotted: set[str]) -> list[str]:
+    """The ``### … (run `X`)`` subsections of ``previous`` whose run has no snapshot, each with
+    its machine (older docs gave it once, as a ``Machine:`` line before the subsections)."""
+    machine = next(
+        (line.removeprefix("Machine: ").rstrip(".") for line in previous if line.startswith("Machine: ")),
+        None,
+    )
+    blocks: list[list[str]] = []
+    for line in previous:
+        if line.startswith("### "):
+            blocks.append([line])
+        elif blocks:
+            blocks[-1].append(line)
+    kept = []
+    for block in blocks:
+        run = re.search(r"\(run `([^`]+)`\)", block[0])
+        if run is None or run.group(1) in snapshotted:
+            continue
+        if machine and not any(line.startswith("- machine: ") for line in block):
+            block = [block[0], "", f"- machine: {machine}", *block[2:]]
+        kept += block
+    return kept
 
 
 def stage_times(timings: dict) -> str:

@@ -168,3 +168,27 @@ def test_decoder_section_reports_overheads_against_the_plain_step_and_the_auto_c
     shutil.rmtree(results.LOG_DIR)  # the outputs are gone; the snapshot keeps the provenance too
     results.doc()
     assert (docs / "results.md").read_text() == text
+
+
+def test_quickstart_runs_without_a_snapshot_keep_their_text_and_get_their_machine(results) -> None:
+    previous = [
+        "Machine: 2026-11-22, x86_64 × 2 cores.",
+        "",
+        "### `make run` (run `quickstart`)",
+        "",
+        "- data: 639 conversations",
+        "",
+        "### `another` (run `fresh`)",
+        "",
+        "- data: 1 conversation",
+        "",
+    ]
+    kept = results.kept_runs(previous, snapshotted={"fresh"})  # `fresh` is re-rendered from its snapshot
+    assert kept == [
+        "### `make run` (run `quickstart`)",
+        "",
+        "- machine: 2026-11-22, x86_64 × 2 cores",
+        "- data: 639 conversations",
+        "",
+    ]
+    assert results.kept_runs(["", *kept], snapshotted=set()) == kept  # idempotent on the next render
