@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 RECORDS = "records.jsonl"
 RUN_CONFIG = "run_config.json"
 REPORT = "report.json"
+TIME_BOX = "time_box.json"  # the clock of a time-boxed run, across resumes
 
 
 class BenchDirError(RuntimeError):
@@ -75,6 +76,17 @@ def prepare_output_dir(out_dir: Path, config: dict[str, Any], resume: bool) -> s
             unit = json.loads(line)
             done.add((unit["question_id"], unit["temperature"]))
     return done
+
+
+def _time_box(out_dir: Path, max_seconds: float | None) -> dict[str, Any] | None:
+    """The time box's clock: the seconds and questions spent under this same box so far."""
+    if max_seconds is None:
+        return None
+    path = out_dir / TIME_BOX
+    stored = json.loads(path.read_text()) if path.is_file() else {}
+    if stored.get("max_seconds") == max_seconds:
+        return stored
+    return {"max_seconds": max_seconds, "spent_s": 0.0, "units": 0}
 
 
 def read_records(out_dir: Path) -> list[dict[str, Any]]:
@@ -155,28 +167,34 @@ def run_benchmark(
 ) -> dict[str, Any]:
     """Run (or resume) the benchmark; write records.jsonl, report.json and the plots.
 
-    ``max_seconds``: a time box for this invocation. No question is started that would end past
-    it (judged by the mean question so far); the report covers the questions done and says how
-    many were left (``time_box``). Questions run in the given order, so a balanced order keeps
-    a cut-short run balanced."""
+    ``max_seconds``: a time box. No question is started that would end past it (judged by the
+    mean question so far); the report covers the questions done and says how many were left
+    (``time_box``). The time spent is kept in ``time_box.json``, so resuming under the same box
+    continues its clock (a finished box stays finished); another box, or none, starts afresh.
+    Questions run in the given order, so a balanced order keeps a cut-short run balanced."""
     if not methods or methods[0].type != "plain":
         raise ValueError("the first method must be plain decoding (the speedup reference)")
     done = prepare_output_dir(out_dir, config, resume)
     units = [(q, t) for q in questions for t in temperatures if (q.id, float(t)) not in done]
     if done:
         log.info("resuming %s: %d units done, %d to go", out_dir, len(done), len(units))
-    started, left = time.perf_counter(), 0
+    box = _time_box(out_dir, max_seconds)
+    left = 0
     for done_here, (question, temperature) in enumerate(
         tqdm(units, desc="bench", unit="question", disable=not progress)
     ):
-        elapsed = time.perf_counter() - started
-        if max_seconds is not None and done_here and elapsed * (done_here + 1) / done_here > max_seconds:
+        if (
+            box is not None
+            and box["units"]
+            and box["spent_s"] * (box["units"] + 1) / box["units"] > max_seconds
+        ):
             left = len(units) - done_here
             log.warning(
                 "time box of %.0f s: stopping after %d questions (%.0f s), %d left undone",
-                max_seconds, done_here, elapsed, left,
+                max_seconds, box["units"], box["spent_s"], left,
             )  # fmt: skip
             break
+        unit_started = time.perf_counter()
         sampling = sampling_for(temperature)
         unit_seed = seed + zlib.crc32(question.id.encode())  # the same for every method
         records = []
@@ -196,6 +214,10 @@ def run_benchmark(
                 "records": records,
             },
         )
+        if box is not None:
+            box["spent_s"] += time.perf_counter() - unit_started
+            box["units"] += 1
+            write_json_atomic(out_dir / TIME_BOX, box)
     report = {
         "machine": machine_info(),
         "config": config,

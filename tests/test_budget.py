@@ -20,6 +20,7 @@ THROUGHPUT = Throughput(
     answered_fraction=0.8,
     prompt_tokens=100.0,
     conversation_tokens=900.0,
+    source_conversations=17_000,
     cache_tokens_per_s=1000.0,
     train_step_s=10.0,
     train_batch_positions=4096,
@@ -85,3 +86,21 @@ def test_a_budget_too_small_is_refused_with_the_minutes_that_would_do():
     enough = plan(budget_minutes=needed)
     assert needed < 30  # and not far above what is needed
     assert enough.conversations >= RULES.min_conversations and enough.train_steps >= RULES.min_train_steps
+    # with the data fixed, the minutes asked for hold that data and the minimum of training
+    with pytest.raises(BudgetError) as caught:
+        plan(budget_minutes=30, conversations=768)
+    needed = int(re.search(r"ask for (\d+) minutes", str(caught.value)).group(1))
+    assert plan(budget_minutes=needed, conversations=768).train_steps >= RULES.min_train_steps
+
+
+def test_no_plan_asks_for_more_conversations_than_the_source_holds_and_fractions_validate_all():
+    assert (
+        plan(budget_minutes=600, throughput=replace(THROUGHPUT, source_conversations=500)).conversations
+        == 500
+    )
+    every_step = replace(SHAPE, val_check_interval=1)  # validations weigh: the difference shows
+    whole = make_plan(45, THROUGHPUT, RULES, replace(every_step, limit_val_batches=1.0), True)
+    tenth = make_plan(45, THROUGHPUT, RULES, replace(every_step, limit_val_batches=0.1), True)
+    assert whole.train_steps < tenth.train_steps  # a float is the fraction of the held-out split
+    with pytest.raises(ValueError, match="val_check_interval must be an int"):
+        TrainShape(0.05, 0.5, 8)

@@ -8,11 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hydra import compose, initialize_config_module
 
 from specdraft.eval.prompts import MT_BENCH_CATEGORIES
 from specdraft.train.budget import Plan
-from specdraft.train.quickstart import stages
+from specdraft.train.quickstart import load_or_make_plan, stages
 
 PLAN = Plan(45, 700, 321, 9.0, {"probe": 60.0, "regen": 600.0, "cache train": 100.0,
             "cache heldout": 10.0, "train": 900.0, "export": 10.0, "eval": 540.0})  # fmt: skip
@@ -55,6 +56,12 @@ def test_each_stage_reads_what_the_previous_one_wrote(tmp_path):
     assert "data=jsonl" not in original[0].overrides
     assert value(original[2], "run_name") == "quickstart-sharegpt"  # never resumes the other run
     assert value(original[0], "out_dir") != value(by_name["cache train"], "out_dir")
+
+
+def test_the_plan_owns_the_training_length(tmp_path):
+    cfg = compose_quickstart(f"paths.log_dir={tmp_path}", stage_overrides("train", "trainer.max_steps=800"))
+    with pytest.raises(SystemExit, match=r"overrides.train sets trainer.max_steps.*pass train_steps=N"):
+        load_or_make_plan(cfg)  # refused before probing anything
 
 
 def test_the_quickstart_runs_end_to_end_and_resumes_on_the_tiny_target(tmp_path):

@@ -18,14 +18,12 @@ re-run never re-sizes (and so never orphans) the work already done.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -84,6 +82,7 @@ class Throughput:
     answered_fraction: float
     prompt_tokens: float
     conversation_tokens: float  # mean tokens of one cached conversation of the source as it is
+    source_conversations: int  # what the source holds: no plan asks for more
     cache_tokens_per_s: float
     # Training and validation cost follows the padded batch (B × T positions), which the
     # length-bucketed sampler fills up to max_batch_tokens; the probe's few batches are smaller,
@@ -108,14 +107,31 @@ class BudgetRules:
     min_conversations: int
     min_train_steps: int
 
+    def __post_init__(self) -> None:
+        if not 0 < self.data_share < 1 or self.margin < 0 or self.eval_share < 0:
+            raise ValueError(f"budget: data_share must lie in (0, 1), margin and eval_share be >= 0: {self}")
+        if self.margin + self.eval_share >= 1:
+            raise ValueError(
+                f"budget: margin + eval_share must be < 1, got {self.margin} + {self.eval_share}"
+            )
+
 
 @dataclass(frozen=True)
 class TrainShape:
-    """What the training stage's config says about its validation cost."""
+    """What the training stage's config says about its validation cost: every
+    ``val_check_interval`` steps, ``limit_val_batches`` batches (an int) or that fraction of the
+    held-out split (a float, Lightning's convention: 1.0 is all of it)."""
 
     heldout_fraction: float
     val_check_interval: int
-    limit_val_batches: int
+    limit_val_batches: int | float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.val_check_interval, int):
+            raise ValueError(
+                "the quickstart plans validations every N steps: trainer.val_check_interval must be an "
+                f"int, got {self.val_check_interval!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -179,14 +195,19 @@ def make_plan(
     per_conversation_s = regen_s + tokens / t.cache_tokens_per_s
     sized_conversations, sized_steps = conversations is None, train_steps is None
     if conversations is None:
-        conversations = math.floor(rules.data_share * left_s / per_conversation_s)
+        conversations = min(
+            math.floor(rules.data_share * left_s / per_conversation_s), t.source_conversations
+        )
     heldout_tokens = shape.heldout_fraction * conversations * tokens
 
     # One optimizer step, plus its share of the periodic validations; then the final one over
     # the whole held-out split.
-    val_batch_s = t.train_batch_positions / t.val_positions_per_s
-    per_step_s = t.train_step_s + shape.limit_val_batches * val_batch_s / shape.val_check_interval
     final_val_s = heldout_tokens / t.val_positions_per_s
+    if isinstance(shape.limit_val_batches, float):
+        validation_s = shape.limit_val_batches * final_val_s
+    else:
+        validation_s = shape.limit_val_batches * t.train_batch_positions / t.val_positions_per_s
+    per_step_s = t.train_step_s + validation_s / shape.val_check_interval
     if train_steps is None:
         train_left_s = left_s - conversations * per_conversation_s - final_val_s
         train_steps = math.floor(train_left_s / per_step_s)
@@ -194,18 +215,11 @@ def make_plan(
     if (sized_conversations and conversations < rules.min_conversations) or (
         sized_steps and train_steps < rules.min_train_steps
     ):
-        # The smallest budget whose split meets both minimums (the final validation grows with
-        # the conversations, k seconds per second of data).
-        k = shape.heldout_fraction * tokens / t.val_positions_per_s / per_conversation_s
-        left_needed = max(
-            rules.min_conversations * per_conversation_s / rules.data_share,
-            rules.min_train_steps * per_step_s / (1 - rules.data_share - rules.data_share * k),
-        )
-        startups_s = t.probe_s + t.startup_s * len(stage_names)
-        if eval_minutes is None:
-            needed = (left_needed + startups_s) / (1 - rules.margin - rules.eval_share)
-        else:
-            needed = (left_needed + startups_s + eval_s) / (1 - rules.margin)
+        needed = _smallest_budget_s(
+            t, rules, shape, per_conversation_s, per_step_s, tokens, len(stage_names),
+            None if sized_conversations else conversations, None if sized_steps else train_steps,
+            None if eval_minutes is None else eval_s,
+        )  # fmt: skip
         raise BudgetError(
             f"budget_minutes={budget_minutes:g} is too small on this machine: it leaves "
             f"{max(conversations, 0)} conversations and {max(train_steps, 0)} training steps, below the "
@@ -224,6 +238,39 @@ def make_plan(
     eta["eval"] = t.startup_s + eval_s
     eta = {"probe": t.probe_s, **{name: round(seconds, 1) for name, seconds in eta.items()}}
     return Plan(budget_minutes, conversations, train_steps, eval_s / SECONDS_PER_MINUTE, eta)
+
+
+def _smallest_budget_s(
+    t: Throughput,
+    rules: BudgetRules,
+    shape: TrainShape,
+    per_conversation_s: float,
+    per_step_s: float,
+    tokens: float,
+    stages: int,
+    conversations: int | None,
+    train_steps: int | None,
+    eval_s: float | None,
+) -> float:
+    """The smallest budget whose plan meets both minimums, given what the user fixed. The final
+    validation grows with the conversations (``k`` seconds per second of data)."""
+    k = shape.heldout_fraction * tokens / t.val_positions_per_s / per_conversation_s
+    steps_s = (train_steps or rules.min_train_steps) * per_step_s
+    if conversations is not None:  # the data is fixed: the rest must hold the training
+        left_s = conversations * per_conversation_s * (1 + k) + steps_s
+    elif train_steps is not None:  # the steps are fixed: the data share must hold the minimum
+        left_s = max(
+            rules.min_conversations * per_conversation_s / rules.data_share, steps_s / (1 - rules.data_share)
+        )
+    else:
+        left_s = max(
+            rules.min_conversations * per_conversation_s / rules.data_share,
+            steps_s / (1 - rules.data_share - rules.data_share * k),
+        )
+    fixed_s = t.probe_s + t.startup_s * stages
+    if eval_s is None:
+        return (left_s + fixed_s) / (1 - rules.margin - rules.eval_share)
+    return (left_s + fixed_s + eval_s) / (1 - rules.margin)
 
 
 # -- the probe --------------------------------------------------------------------------------------
@@ -251,11 +298,12 @@ def probe(
     source = instantiate(data_cfg.data.source)
     # Every stage loads the target and most read the conversations (eval: its shortlist's).
     startup_s = imports_s + time.perf_counter() - load_started
-    train, _ = split_conversations(
+    split, _ = split_conversations(
         source.conversations, data_cfg.data.heldout_fraction, data_cfg.data.split_seed
-    )
+    )  # what specdraft-regen's `limit` counts
+    train = split
     if regen_cfg is not None:  # what the quickstart caches: first turns, answered
-        train = [c for c in map(first_turn, train) if c is not None]
+        train = [c for c in map(first_turn, split) if c is not None]
     samples, _ = tokenize_conversations(
         target.tokenizer, train[:PROBE_CONVERSATIONS], data_cfg.data.max_length, False
     )
@@ -284,6 +332,7 @@ def probe(
         answered_fraction=answered,
         prompt_tokens=prompt_tokens,
         conversation_tokens=statistics.fmean(len(s.input_ids) for s in samples),
+        source_conversations=len(split) if regen_cfg is not None else len(source.conversations),
         cache_tokens_per_s=round(cache_tokens_per_s, 1),
         train_step_s=round(train_step_s, 4),
         train_batch_positions=batch_positions,
@@ -403,7 +452,7 @@ class _StepClock(L.Callback):
 
 def _probe_training(
     train_cfg: DictConfig, target: Target, cache_dir: Path, steps: int, workdir: Path
-) -> tuple[float, float, float]:
+) -> tuple[float, int, float]:
     """(median seconds of an optimizer step after the first, scaled to a full batch; the full
     batch's positions; validation positions/s): the experiment's head, objective, optimizer and
     precision on the probe's cache."""
@@ -473,10 +522,6 @@ def describe(plan: Plan, throughput: Throughput, hardware: str, eval_what: str, 
 
 
 def clock(seconds: float) -> str:
+    """``m:ss``."""
     minutes, seconds = divmod(round(seconds), 60)
     return f"{minutes}:{seconds:02d}"
-
-
-def matches(stored: Mapping[str, Any], request: Mapping[str, Any]) -> bool:
-    """Whether a stored plan was made for this request (JSON round-trip: tuples become lists)."""
-    return stored.get("request") == json.loads(json.dumps(request))

@@ -58,6 +58,9 @@ PLAN_KEYS = ("budget_minutes", "conversations", "train_steps", "self_distill", "
              "heldout_fraction", "regen", "top_k", "aux_layers")  # fmt: skip
 
 
+PLANNED_TRAIN_KEYS = ("trainer.max_steps", "trainer.max_time")  # overrides.train may not set them
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str
@@ -243,9 +246,15 @@ def main(cfg: DictConfig) -> None:
 
 def load_or_make_plan(cfg: DictConfig) -> tuple[Plan, Throughput]:
     """The plan stored for this quickstart (a re-run resumes it), else a fresh probe and plan."""
+    for key in PLANNED_TRAIN_KEYS:
+        if any(o.split("=", 1)[0].lstrip("+~") == key for o in cfg.overrides.train):
+            raise SystemExit(
+                f"quickstart: overrides.train sets {key}, which the plan sets (with a max_time guard "
+                "from its ETA): pass train_steps=N instead"
+            )
     path = Path(cfg.dir) / f"plan-{run_name(cfg)}.json"
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    request = {key: resolved[key] for key in PLAN_KEYS}
+    request = {key: resolved[key] for key in PLAN_KEYS if key != "regen" or cfg.self_distill}
     request["eval_max_minutes"] = resolved["eval"]["max_minutes"]
     request["overrides"] = {k: resolved["overrides"][k] for k in ("regen", "cache", "train")}
     request = json.loads(json.dumps(request))
@@ -256,8 +265,8 @@ def load_or_make_plan(cfg: DictConfig) -> tuple[Plan, Throughput]:
             raise SystemExit(
                 f"quickstart: {path} holds the plan this quickstart was started with, and {changed} "
                 "differ now: its data, features and training run were sized by that plan. Re-run "
-                f"with the same settings to resume it, or pass name=<new name> to start another "
-                f"quickstart (or delete {cfg.dir} and {Path(cfg.paths.log_dir) / 'train' / run_name(cfg)})"
+                "with the same settings to resume it, or pass name=<new name> to start another "
+                f"quickstart (or, if no stage ran yet, as after plan_only=true, delete {path})"
             )
         plan = stored["plan"]
         print(f"quickstart: resuming the plan in {path} (probed {stored['made']})", flush=True)
@@ -291,17 +300,15 @@ def load_or_make_plan(cfg: DictConfig) -> tuple[Plan, Throughput]:
         data_cfg, train_cfg, fields, cache_cfg.batch_tokens, settings, regen_cfg, answer_tokens
     )
     rules = BudgetRules(**{k: v for k, v in cfg.budget.items() if k != "probe"})
-    shape = TrainShape(
-        cfg.heldout_fraction,
-        int(train_cfg.trainer.val_check_interval),
-        int(train_cfg.trainer.limit_val_batches),
-    )
     try:
+        shape = TrainShape(
+            cfg.heldout_fraction, train_cfg.trainer.val_check_interval, train_cfg.trainer.limit_val_batches
+        )
         plan = make_plan(
             cfg.budget_minutes, throughput, rules, shape, cfg.self_distill,
             cfg.conversations, cfg.train_steps, cfg.eval.max_minutes,
         )  # fmt: skip
-    except BudgetError as error:
+    except (BudgetError, ValueError) as error:
         raise SystemExit(f"quickstart: {error}") from None
     record: dict[str, Any] = {
         "request": request,
