@@ -36,8 +36,9 @@ from omegaconf import DictConfig
 from specdraft.data.cache import StoredFields, write_cache
 from specdraft.data.chat import TokenizedConversation, tokenize_conversations
 from specdraft.data.conversations import Conversation, split_conversations
+from specdraft.data.features import pad_token_id
 from specdraft.data.generate import greedy_generate
-from specdraft.data.hardware import accelerator_device, detect_hardware, resolve_precision
+from specdraft.data.hardware import resolve_precision
 from specdraft.data.regen import GenerationSettings, TargetResponder
 from specdraft.data.target import Target
 from specdraft.train.cli import build_objective, build_training_head, features_for_objective
@@ -382,8 +383,7 @@ def _probe_regen(
     if not answered:
         raise ValueError(f"probe: none of {len(prompts)} prompts fits regen.max_prompt_tokens")
     batch = answered[:rows]
-    spec = target.spec
-    pad_id = spec.pad_token_id if spec.pad_token_id is not None else spec.eos_token_ids[0]
+    pad_id = pad_token_id(target.spec)
     never_stop: tuple[int, ...] = ()  # every row decodes every step, as in a full batch
 
     # Warm-up at the batch's shapes (allocations, kernel choices) on short prompts: cheap, and
@@ -464,12 +464,11 @@ def _probe_training(
     objective = build_objective(cfg.loss, target, datamodule)
     module = DraftHeadModule(head, objective, instantiate(cfg.optim), head_record=record)
     accelerator = str(cfg.trainer.accelerator)
-    hardware = detect_hardware(accelerator_device(accelerator))
     clock = _StepClock()
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=1,
-        precision=resolve_precision(cfg.trainer.precision, accelerator, hardware),
+        precision=resolve_precision(cfg.trainer.precision, accelerator),
         max_steps=steps,
         val_check_interval=steps,  # counted across epochs: the probe's cache may hold fewer batches
         check_val_every_n_epoch=None,

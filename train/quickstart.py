@@ -59,6 +59,7 @@ PLAN_KEYS = ("budget_minutes", "conversations", "train_steps", "self_distill", "
 
 
 PLANNED_TRAIN_KEYS = ("trainer.max_steps", "trainer.max_time")  # overrides.train may not set them
+TRAIN_TIME_GUARD = 1.25  # training's max_time, × its ETA
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class Stage:
 def stages(cfg: DictConfig, plan: Plan) -> list[Stage]:
     """The quickstart's commands, in order, with the plan's sizes."""
     out = Path(cfg.dir)
-    common = [f"paths.log_dir={cfg.paths.log_dir}"] + ([f"threads={cfg.threads}"] if cfg.threads else [])
+    common = common_overrides(cfg)
     conversations = plan.conversations
     regen_path = Path(cfg.regen.dir) / f"quickstart-train-{conversations}.jsonl"
     if cfg.self_distill:
@@ -177,7 +178,9 @@ def stages(cfg: DictConfig, plan: Plan) -> list[Stage]:
     return plan_stages
 
 
-TRAIN_TIME_GUARD = 1.25  # training's max_time, × its ETA
+def common_overrides(cfg: DictConfig) -> list[str]:
+    """What every stage (and the probe of it) is given: the outputs' root and the threads."""
+    return [f"paths.log_dir={cfg.paths.log_dir}"] + ([f"threads={cfg.threads}"] if cfg.threads else [])
 
 
 def regen_overrides(cfg: DictConfig, out_path: Path) -> list[str]:
@@ -273,7 +276,7 @@ def load_or_make_plan(cfg: DictConfig) -> tuple[Plan, Throughput]:
         return Plan(**{k: v for k, v in plan.items() if k != "total_s"}), Throughput(**stored["throughput"])
 
     print("quickstart: probing this machine (a few seconds of each stage's work)…", flush=True)
-    overrides = [f"paths.log_dir={cfg.paths.log_dir}"] + ([f"threads={cfg.threads}"] if cfg.threads else [])
+    overrides = common_overrides(cfg)
     regen_cfg = None
     if cfg.self_distill:
         regen_cfg = compose("regen", [*regen_overrides(cfg, Path(cfg.regen.dir) / "probe.jsonl"), *overrides])
