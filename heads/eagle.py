@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdraft.heads.frozen import TargetWeights
-from specdraft.heads.layers import DraftDecoderLayer, RMSNorm
+from specdraft.heads.layers import AlignedMask, DraftDecoderLayer, RMSNorm
 from specdraft.heads.spec import TargetSpec
 from specdraft.heads.vocab import VocabProjection, full_vocab_maps, target_to_draft_index
 
@@ -116,7 +116,7 @@ class FeatureHead(nn.Module):
         features: Tensor,
         token_ids: Tensor,
         positions: Tensor,
-        mask: Tensor | None,
+        mask: Tensor | AlignedMask | None,
         past_key: Tensor | None = None,
         past_value: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -127,7 +127,8 @@ class FeatureHead(nn.Module):
         token_ids  B×n     the token that FOLLOWS each position (x_{t+1} at position t)
         positions  B×n     rotary positions
         mask       additive (0 / −inf), broadcastable to B×1×n×(P+n), P = past length; None:
-                   causal over the n positions (no past)
+                   causal over the n positions (no past); an AlignedMask: a rollout step's pattern
+                   over the earlier levels' K/V as past
         past_*     B×kv_heads×P×head_dim: KV cache, or the K/V of earlier rollout levels
         Returns (output B×n×H — the next feature; key, value B×kv_heads×n×head_dim of these n).
         """

@@ -1,14 +1,16 @@
-"""The multi-step rollout: literal masks, and step j of training == the j-th draft step at decode time."""
+"""The multi-step rollout: literal masks, the attention that computes them without materialising them,
+and step j of training == the j-th draft step at decode time."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specdraft.data.features import TokenBatch, extract_features
 from specdraft.data.target import target_weights
 from specdraft.heads import Eagle3Config, Eagle3Head, EagleHead
-from specdraft.heads.layers import causal_mask
+from specdraft.heads.layers import AlignedMask, aligned_attention, causal_mask
 from specdraft.train.rollout import RolloutConfig, alignment_mask, rollout
 
 NEG = float("-inf")
@@ -103,3 +105,25 @@ def test_rollout_config_validation():
     assert RolloutConfig(steps=3, step_weight_base=0.5).step_weight(3) == 0.25
     with pytest.raises(ValueError, match="steps must be >= 1"):
         RolloutConfig(steps=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("levels", [1, 2, 3, 4])
+@pytest.mark.parametrize("length", [2, 9])
+def test_aligned_attention_equals_the_dense_mask(dtype, levels, length):
+    """The merged causal + diagonal computation equals SDPA under the dense mask, values and the
+    gradients of queries, keys and values (grouped heads; queries with no level-1 key at all)."""
+    torch.manual_seed(levels * 10 + length)
+    query = torch.randn(2, 4, length, 8, dtype=dtype, requires_grad=True)
+    keys = torch.randn(2, 2, levels * length, 8, dtype=dtype, requires_grad=True)
+    values = torch.randn(2, 2, levels * length, 8, dtype=dtype, requires_grad=True)
+    upstream = torch.randn(2, 4, length, 8, dtype=dtype)
+    mask = AlignedMask(levels).dense(length).to(dtype)
+    expected = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=True)
+    expected_grads = torch.autograd.grad((expected * upstream).sum(), [query, keys, values])
+    got = aligned_attention(query, keys, values, levels)
+    grads = torch.autograd.grad((got * upstream).sum(), [query, keys, values])
+    tolerance = {"rtol": 1e-10, "atol": 1e-10} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(got, expected, **tolerance)
+    for name, grad, want in zip(["query", "keys", "values"], grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, want, **tolerance, msg=lambda m, name=name: f"{name}: {m}")

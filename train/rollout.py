@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from specdraft.heads.eagle import FeatureHead
+from specdraft.heads.layers import AlignedMask
 
 
 @dataclass(frozen=True)
@@ -54,13 +55,9 @@ class RolloutConfig:
 
 def alignment_mask(length: int, step: int, device: torch.device | str | None = None) -> Tensor:
     """Additive mask T×(step·T) for the queries of 1-based ``step`` over the keys of levels 1..step
-    (level-major: keys [l·T, (l+1)·T) belong to level l+1). See the module docstring."""
-    queries = torch.arange(length, device=device).unsqueeze(-1)  # p
-    keys = torch.arange(length, device=device)  # q
-    allowed = [keys <= queries - (step - 1)]  # level 1: target context up to p−(j−1)
-    allowed += [keys == queries - (step - level) for level in range(2, step + 1)]
-    allowed = torch.cat(allowed, dim=-1)
-    return torch.zeros(allowed.shape, device=device).masked_fill(~allowed, float("-inf"))
+    (level-major: keys [l·T, (l+1)·T) belong to level l+1). See the module docstring. The rollout
+    itself passes the pattern as an :class:`AlignedMask`, which the attention computes without it."""
+    return AlignedMask(step).dense(length, device)
 
 
 def shift_left(x: Tensor, fill: float | int = 0) -> Tensor:
@@ -90,8 +87,8 @@ def rollout(
     past_values: list[Tensor] = []
     outputs: list[Tensor] = []
     for step in range(1, config.steps + 1):
-        # Step 1 is plain causal attention: the fused causal kernel, not the mask spelled out.
-        mask = alignment_mask(length, step, features.device) if step > 1 else None
+        # Step 1 is plain causal attention (the fused kernel); later steps add one key per level.
+        mask = AlignedMask(step) if step > 1 else None
         past_key = torch.cat(past_keys, dim=2) if past_keys else None
         past_value = torch.cat(past_values, dim=2) if past_values else None
         output, key, value = head.step(features, next_tokens, positions, mask, past_key, past_value)
