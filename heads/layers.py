@@ -146,6 +146,14 @@ class _AlignedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, level1_key, level1_value, diagonal_key, diagonal_value, diagonal_valid, shift):
+        # The merge is computed in fp32 (fp64 for fp64 inputs) whatever autocast would choose.
+        with torch.autocast(query.device.type, enabled=False):
+            return _AlignedAttention._forward(
+                ctx, query, level1_key, level1_value, diagonal_key, diagonal_value, diagonal_valid, shift
+            )
+
+    @staticmethod
+    def _forward(ctx, query, level1_key, level1_value, diagonal_key, diagonal_value, diagonal_valid, shift):
         batch, heads, length, head_dim = query.shape
         scale = 1.0 / math.sqrt(head_dim)
         exact = torch.float64 if query.dtype == torch.float64 else torch.float32
@@ -167,6 +175,11 @@ class _AlignedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return _AlignedAttention._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         query, level1_key, level1_value, diagonal_key, diagonal_value, merged, lse = ctx.saved_tensors
         probs, shift, scale = ctx.diagonal_probs, ctx.shift, ctx.scale
         exact = probs.dtype

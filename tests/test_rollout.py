@@ -127,3 +127,24 @@ def test_aligned_attention_equals_the_dense_mask(dtype, levels, length):
     torch.testing.assert_close(got, expected, **tolerance)
     for name, grad, want in zip(["query", "keys", "values"], grads, expected_grads, strict=True):
         torch.testing.assert_close(grad, want, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_aligned_attention_under_bf16_autocast():
+    """bf16 inputs under autocast (bf16-mixed training): the result and gradients are those of the
+    dense mask in fp64 on the same inputs, to bf16 rounding."""
+    torch.manual_seed(3)
+    length, levels = 7, 3
+    inputs = [torch.randn(1, 4, length, 8), *[torch.randn(1, 2, levels * length, 8) for _ in range(2)]]
+    upstream = torch.randn(1, 4, length, 8)
+    low = [x.bfloat16().requires_grad_() for x in inputs]
+    exact = [x.bfloat16().double().requires_grad_() for x in inputs]
+    mask = AlignedMask(levels).dense(length).double()
+    expected = F.scaled_dot_product_attention(*exact, attn_mask=mask, enable_gqa=True)
+    expected_grads = torch.autograd.grad((expected * upstream).sum(), exact)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = aligned_attention(*low, levels)
+    assert got.dtype == torch.bfloat16
+    grads = torch.autograd.grad((got.double() * upstream).sum(), low)
+    torch.testing.assert_close(got.double(), expected, rtol=2e-2, atol=2e-2)
+    for grad, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad.double(), want, rtol=5e-2, atol=5e-2)
