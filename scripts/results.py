@@ -18,11 +18,12 @@ Stages (``--stages`` picks some):
   with ``shape: auto``) on 16 MT-bench first turns, 128 new tokens, T=0, with draft / verify /
   bookkeeping ms per step (``--decoder-checkpoint``: the head; ``--decoder-provenance``: how it
   was trained, written into the snapshot);
-* ``train_speed`` — training-step throughput per head kind of two checkouts on the same cached
-  features, from two ``scripts/bench_train_step.py`` outputs (``--train-speed BEFORE AFTER``),
+* ``train_speed`` — training-step throughput per head kind of successive checkouts on the same
+  cached features, from ``scripts/bench_train_step.py`` outputs (``--train-speed OLDEST … NEWEST``),
   with regeneration tokens/s from two ``specdraft-regen`` logs (``--regen-logs BEFORE AFTER``)
   and the acceptance of full- vs reduced-vocabulary training (``--vocab-acceptance``): snapshotted
-  as they are into docs/results/train_speed.json;
+  as they are into docs/results/train_speed.json (a regeneration or acceptance measurement not
+  given again is kept);
 * ``doc``       — docs/results.md and docs/results_curve.png from the JSON the stages wrote.
 
 The numbers in the doc are read from those JSON files only.
@@ -267,7 +268,7 @@ def doc(decoder_provenance: str | None = None) -> None:
         (
             TRAIN_SPEED_TITLE,
             train_speed_section,
-            "python scripts/results.py --stages train_speed doc --train-speed BEFORE AFTER",
+            "python scripts/results.py --stages train_speed doc --train-speed OLDEST … NEWEST",
         ),
     ):
         body = render()
@@ -715,19 +716,23 @@ REGEN_RATE = re.compile(r"(\d+) tokens in (\d+) s = ([\d.]+) tokens/s")
 
 
 def train_speed(
-    before: Path,
-    after: Path,
+    checkouts: list[Path],
     regen_logs: list[Path] | None,
     vocab: Path | None,
     command: str,
     repeats: list[Path] | None = None,
 ) -> None:
-    """docs/results/train_speed.json from the outputs of the training-speed measurements."""
-    snapshot: dict = {"command": command, "before": read_json(before), "after": read_json(after)}
-    if snapshot["before"] is None or snapshot["after"] is None:
-        raise SystemExit(f"train_speed: {before} and {after} must be bench_train_step.py outputs")
+    """docs/results/train_speed.json from the outputs of the training-speed measurements:
+    ``checkouts`` are bench_train_step.py outputs of successive commits, oldest first. A
+    regeneration or vocabulary-acceptance measurement not given again is kept from the snapshot
+    (with the command it was made by)."""
+    runs = [read_json(path) for path in checkouts]
+    if len(runs) < 2 or any(run is None for run in runs):
+        raise SystemExit(f"train_speed: {checkouts} must be two or more bench_train_step.py outputs")
+    previous = read_json(SNAPSHOTS / "train_speed.json") or {}
+    snapshot: dict = {"command": command, "checkouts": runs}
     if regen_logs:
-        snapshot["regen"] = {}
+        snapshot["regen"] = {"command": command, "commits": [runs[0]["commit"], runs[-1]["commit"]]}
         for label, log in zip(("before", "after"), regen_logs, strict=True):
             found = REGEN_RATE.findall(log.read_text())
             if not found:
@@ -738,9 +743,15 @@ def train_speed(
                 "seconds": int(seconds),
                 "tokens_per_s": float(rate),
             }
+    elif "regen" in previous:
+        snapshot["regen"] = {"command": previous.get("command", ""), **previous["regen"]}
+        if "commits" not in snapshot["regen"] and "before" in previous:  # a two-checkout snapshot
+            snapshot["regen"]["commits"] = [previous["before"]["commit"], previous["after"]["commit"]]
     if vocab is not None:
         snapshot["vocab_acceptance"] = read_json(vocab)
-    if repeats:  # more bench_train_step.py outputs of the two checkouts, run alternately
+    elif "vocab_acceptance" in previous:
+        snapshot["vocab_acceptance"] = previous["vocab_acceptance"]
+    if repeats:  # more bench_train_step.py outputs of the same checkouts
         snapshot["repeats"] = [read_json(path) for path in repeats]
     write_json_atomic(SNAPSHOTS / "train_speed.json", snapshot)
 
@@ -749,59 +760,62 @@ def train_speed_section() -> list[str] | None:
     snapshot = read_json(SNAPSHOTS / "train_speed.json")
     if snapshot is None:
         return None
-    before, after = snapshot["before"], snapshot["after"]
-    machine = after["machine"]
+    runs = snapshot["checkouts"]
+    first, last = runs[0], runs[-1]
+    machine = last["machine"]
+    commits = [run["commit"][:7] for run in runs]
     lines = [
         f"Machine: {machine['name']} ({', '.join(machine['cpu_flags']) or 'no AVX-512 / AMX'}), "
-        f"{machine['threads']} torch threads, torch {machine['torch']}, precision {after['precision']}. "
-        f"Before: commit {before['commit'][:7]}; after: commit {after['commit'][:7]}; each checkout "
-        f"timed in one process, its variants interleaved batch by batch on the same cached SmolLM2 "
-        f"features ({after['batch_tokens']}-token batches). `{snapshot['command']}`",
+        f"{machine['threads']} torch threads, torch {machine['torch']}, precision {last['precision']}. "
+        f"Commits {', '.join(commits)} (oldest first), each timed in one process, its variants "
+        f"interleaved batch by batch on the same cached SmolLM2 features ({last['batch_tokens']}-token "
+        f"batches). `{snapshot['command']}`",
         "",
         "Median tokens/s of whole optimiser steps (objective, backward, AdamW) and of validation",
         "steps (the objective at `train=False`, 4 rollout steps, under `no_grad`). `_v8k`: a reduced",
         "training vocabulary of 8,192 tokens (`loss.draft_vocab_size=8192`; EAGLE-3:",
-        "`head.config.draft_vocab_size=8192`), compared with the full-vocabulary variant before.",
+        f"`head.config.draft_vocab_size=8192`); × compares {commits[-1]} with {commits[0]}, a `_v8k`",
+        f"variant with the full-vocabulary one of {commits[0]}.",
         "",
-        "| variant | train before | train after | × | validation before | validation after | × |",
-        "|---|---|---|---|---|---|---|",
+        "| variant | " + " | ".join(f"train {c}" for c in commits) + " | × "
+        f"| validation {commits[0]} | validation {commits[-1]} | × |",
+        "|---|" + "---|" * (len(runs) + 4),
     ]
-    for name, entry in after["variants"].items():
-        reference = before["variants"].get(name.removesuffix("_v8k"))
-        train, val = entry["train_tokens_per_s"], entry["val_tokens_per_s"]
+    for name, entry in last["variants"].items():
+        reference = first["variants"].get(name.removesuffix("_v8k"))
         cells = [f"`{name}`"]
+        for run in runs:
+            rate = run["variants"].get(name, {}).get("train_tokens_per_s")
+            cells.append("–" if rate is None else f"{rate:.0f}")
+        train, val = entry["train_tokens_per_s"], entry["val_tokens_per_s"]
         if reference is None:
-            cells += ["–", f"{train:.0f}", "–", "–", f"{val:.0f}", "–"]
+            cells += ["–", "–", f"{val:.0f}", "–"]
         else:
             old_train, old_val = reference["train_tokens_per_s"], reference["val_tokens_per_s"]
-            cells += [f"{old_train:.0f}", f"{train:.0f}", f"{train / old_train:.2f}×"]
-            cells += [f"{old_val:.0f}", f"{val:.0f}", f"{val / old_val:.2f}×"]
+            cells += [f"{train / old_train:.2f}×", f"{old_val:.0f}", f"{val:.0f}", f"{val / old_val:.2f}×"]
         lines.append("| " + " | ".join(cells) + " |")
-    rates = {name: entry["train_tokens_per_s"] for name, entry in after["variants"].items()}
-    old_rates = {name: entry["train_tokens_per_s"] for name, entry in before["variants"].items()}
-    ratios = []
-    for kind in ("hass", "eagle3", "hass_eagle3", "medusa"):
-        for suffix in ("", "_v8k"):
-            if f"{kind}{suffix}" in rates and f"eagle{suffix}" in rates:
-                ratios.append(f"{kind}{suffix} {rates[kind + suffix] / rates['eagle' + suffix]:.2f}×")
-    old_ratios = [f"{k} {old_rates[k] / old_rates['eagle']:.2f}×" for k in old_rates if k != "eagle"]
-    lines += [
-        "",
-        f"Training tokens/s relative to EAGLE's, after: {', '.join(ratios)}; "
-        f"before: {', '.join(old_ratios)}.",
-    ]
+
+    def ratios(run: dict) -> str:
+        rates = {name: entry["train_tokens_per_s"] for name, entry in run["variants"].items()}
+        found = []
+        for kind in ("hass", "eagle3", "hass_eagle3", "medusa"):
+            for suffix in ("", "_v8k"):
+                if f"{kind}{suffix}" in rates and f"eagle{suffix}" in rates:
+                    found.append(f"{kind}{suffix} {rates[kind + suffix] / rates['eagle' + suffix]:.2f}×")
+        return ", ".join(found)
+
+    lines += ["", "Training tokens/s relative to EAGLE's (same vocabulary):"]
+    lines += [f"- {run['commit'][:7]}: {ratios(run)}" for run in runs]
     repeats = snapshot.get("repeats")
     if repeats:
-        runs = []
-        for run in repeats:
-            which = "before" if run["commit"] == before["commit"] else "after"
-            rates = ", ".join(f"{n} {v['train_tokens_per_s']:.0f}" for n, v in run["variants"].items())
-            runs.append(f"{which} ({rates})")
         lines += [
             "",
-            "The same two checkouts run again one after the other, alternating, to show this",
-            f"machine's run-to-run spread (training tokens/s): {'; '.join(runs)}.",
+            "The same checkouts timed again in another process, after the others, to show this",
+            "machine's run-to-run spread (training tokens/s):",
         ]
+        for run in repeats:
+            rates = ", ".join(f"{n} {v['train_tokens_per_s']:.0f}" for n, v in run["variants"].items())
+            lines.append(f"- {run['commit'][:7]}: {rates}")
     regen = snapshot.get("regen")
     if regen:
         old_rate, new_rate = regen["before"]["tokens_per_s"], regen["after"]["tokens_per_s"]
@@ -809,7 +823,8 @@ def train_speed_section() -> list[str] | None:
             "",
             f"Regeneration (`specdraft-regen`, greedy): {old_rate:.1f} tokens/s before, {new_rate:.1f} "
             f"after ({new_rate / old_rate:.2f}×; {regen['before']['tokens']} and "
-            f"{regen['after']['tokens']} tokens).",
+            f"{regen['after']['tokens']} tokens; commits "
+            f"{' → '.join(c[:7] for c in regen.get('commits', []))}; `{regen.get('command', '')}`).",
         ]
     vocab = snapshot.get("vocab_acceptance")
     if vocab:
@@ -861,7 +876,7 @@ def main() -> None:
     parser.add_argument("--per-category", type=int, default=2, help="MT-bench questions per category")
     parser.add_argument("--decoder-checkpoint", help="the head the decoder stage benches")
     parser.add_argument("--decoder-provenance", help="how that head was trained (kept in the snapshot)")
-    parser.add_argument("--train-speed", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
+    parser.add_argument("--train-speed", nargs="+", type=Path, help="bench_train_step.py JSON, oldest first")
     parser.add_argument("--regen-logs", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
     parser.add_argument("--vocab-acceptance", type=Path, help="the reduced-vocabulary acceptance JSON")
     parser.add_argument("--train-speed-command", default="", help="how the measurements were made")
@@ -879,9 +894,9 @@ def main() -> None:
             decoder(args.decoder_checkpoint, args.per_category)
         elif stage == "train_speed":
             if not args.train_speed:
-                parser.error("stage train_speed needs --train-speed BEFORE AFTER")
+                parser.error("stage train_speed needs --train-speed OLDEST … NEWEST")
             train_speed(
-                *args.train_speed,
+                args.train_speed,
                 args.regen_logs,
                 args.vocab_acceptance,
                 args.train_speed_command,
