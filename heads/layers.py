@@ -120,17 +120,18 @@ def aligned_attention(query: Tensor, keys: Tensor, values: Tensor, levels: int) 
         """B×h×T×(levels−1)×d: for query p, the key (value) at p − (levels − l) of level l."""
         per_level = []
         for level in range(2, levels + 1):
-            back = levels - level
-            block = x[:, :, (level - 1) * length : level * length - back]
-            per_level.append(F.pad(block, (0, 0, back, 0)))
+            kept = max(length - (levels - level), 0)  # queries that have a key this far back
+            start = (level - 1) * length
+            per_level.append(F.pad(x[:, :, start : start + kept], (0, 0, length - kept, 0)))
         return torch.stack(per_level, dim=3)
 
     positions = torch.arange(length, device=query.device).unsqueeze(-1)
     diagonal_valid = positions >= torch.arange(shift - 1, -1, -1, device=query.device)  # T×(levels−1)
+    level1 = max(length - shift, 0)  # level-1 keys any query attends
     return _AlignedAttention.apply(
         query,
-        keys[:, :, : length - shift],
-        values[:, :, : length - shift],
+        keys[:, :, :level1],
+        values[:, :, :level1],
         diagonal(keys),
         diagonal(values),
         diagonal_valid,

@@ -108,11 +108,12 @@ def test_rollout_config_validation():
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("levels", [1, 2, 3, 4])
+@pytest.mark.parametrize("levels", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("length", [2, 9])
 def test_aligned_attention_equals_the_dense_mask(dtype, levels, length):
     """The merged causal + diagonal computation equals SDPA under the dense mask, values and the
-    gradients of queries, keys and values (grouped heads; queries with no level-1 key at all)."""
+    gradients of queries, keys and values (grouped heads; queries with no level-1 key at all;
+    more levels than positions)."""
     torch.manual_seed(levels * 10 + length)
     query = torch.randn(2, 4, length, 8, dtype=dtype, requires_grad=True)
     keys = torch.randn(2, 2, levels * length, 8, dtype=dtype, requires_grad=True)
