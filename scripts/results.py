@@ -60,6 +60,11 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "quickstart-fused-avx2": (
+        "quickstart-fused-avx2",
+        "make run (fresh clone: install + specdraft-quickstart, budget_minutes=45) on an AVX2 CPU, "
+        "with the cheaper training steps of c4ebf0e",
+    ),
     "quickstart-budget-avx2": (
         "quickstart-budget-avx2",
         "make run (fresh clone: install + specdraft-quickstart, budget_minutes=45) on an AVX2 CPU",
@@ -92,6 +97,12 @@ ABLATION = {
 }
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "quickstart-fused-avx2": (
+        "2026-11-24, `time make run` in a fresh clone of commit c4ebf0e (vocabulary-major fused losses, "
+        "aligned rollout attention), alone on the machine: 42:34 wall in all, of which the quickstart "
+        "41:01 of its 45-minute budget. The plan: 378 conversations, 219 training steps (188 at 180e2b3), "
+        "a 9-minute eval box. Outputs copied from that clone's run `quickstart` under this run name."
+    ),
     "quickstart-budget-avx2": (
         "2026-11-24, `time make run` in a fresh clone of commit 180e2b3, alone on the machine (the "
         "GGUF's dequantized cache warm, no outputs): 42:03 wall in all, of which the quickstart "
