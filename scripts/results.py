@@ -755,9 +755,7 @@ def train_speed(
                 "tokens_per_s": float(rate),
             }
     elif "regen" in previous:
-        snapshot["regen"] = {"command": previous.get("command", ""), **previous["regen"]}
-        if "commits" not in snapshot["regen"] and "before" in previous:  # a two-checkout snapshot
-            snapshot["regen"]["commits"] = [previous["before"]["commit"], previous["after"]["commit"]]
+        snapshot["regen"] = previous["regen"]
     if vocab is not None:
         snapshot["vocab_acceptance"] = read_json(vocab)
     elif "vocab_acceptance" in previous:

@@ -11,14 +11,14 @@ from specdraft.data.features import TokenBatch, extract_features
 from specdraft.data.target import target_weights
 from specdraft.heads import Eagle3Config, Eagle3Head, EagleHead
 from specdraft.heads.layers import AlignedMask, aligned_attention, causal_mask
-from specdraft.train.rollout import RolloutConfig, alignment_mask, rollout
+from specdraft.train.rollout import RolloutConfig, rollout
 
 NEG = float("-inf")
 
 
 def test_alignment_mask_literal():
     # Step 1 is the causal mask.
-    torch.testing.assert_close(alignment_mask(3, 1), causal_mask(3))
+    torch.testing.assert_close(AlignedMask(1).dense(3), causal_mask(3))
     # Step 2, T=4: level-1 keys up to p−1, level-2 key at p itself.
     expected = torch.tensor(
         [
@@ -28,9 +28,9 @@ def test_alignment_mask_literal():
             [0, 0, 0, NEG, NEG, NEG, NEG, 0],
         ]
     )
-    torch.testing.assert_close(alignment_mask(4, 2), expected)
+    torch.testing.assert_close(AlignedMask(2).dense(4), expected)
     # Step 3, query p=3: level 1 up to q=1, level 2 at q=2, level 3 at q=3.
-    row = alignment_mask(4, 3)[3]
+    row = AlignedMask(3).dense(4)[3]
     assert (row == 0).nonzero().squeeze(-1).tolist() == [0, 1, 4 + 2, 8 + 3]
 
 

@@ -13,7 +13,8 @@ reproduces exactly that context for every position at once. At step j the query 
 where the level-l input at q is the head's step-(l−1) output at q−1 with the true token x_{q+1}
 (teacher forcing). The step-j output at p therefore predicts the target's feature / next-token
 distribution at p+1 for every j, and positions p < j−1 (no target context left) are not
-supervised. Masks are ADDITIVE (0 / −inf): a masked key takes no part in the softmax. (HASS's
+supervised. The pattern is :class:`specdraft.heads.layers.AlignedMask`, with ADDITIVE (0 / −inf)
+semantics: a masked key takes no part in the softmax. (HASS's
 reference code multiplies the scores by its mask instead, so masked keys still enter the
 softmax denominator.) Rotary positions are the true positions at every level, as at decode time.
 
@@ -53,13 +54,6 @@ class RolloutConfig:
         return self.step_weight_base ** (step - 1)
 
 
-def alignment_mask(length: int, step: int, device: torch.device | str | None = None) -> Tensor:
-    """Additive mask T×(step·T) for the queries of 1-based ``step`` over the keys of levels 1..step
-    (level-major: keys [l·T, (l+1)·T) belong to level l+1). See the module docstring. The rollout
-    itself passes the pattern as an :class:`AlignedMask`, which the attention computes without it."""
-    return AlignedMask(step).dense(length, device)
-
-
 def shift_left(x: Tensor, fill: float | int = 0) -> Tensor:
     """x[:, p] <- x[:, p+1] along dim 1; the last position gets ``fill``."""
     return torch.cat([x[:, 1:], torch.full_like(x[:, :1], fill)], dim=1)
@@ -88,7 +82,7 @@ def rollout(
     outputs: list[Tensor] = []
     for step in range(1, config.steps + 1):
         # Step 1 is plain causal attention (the fused kernel); later steps add one key per level.
-        mask = AlignedMask(step) if step > 1 else None
+        mask = AlignedMask(step)
         past_key = torch.cat(past_keys, dim=2) if past_keys else None
         past_value = torch.cat(past_values, dim=2) if past_values else None
         output, key, value = head.step(features, next_tokens, positions, mask, past_key, past_value)
