@@ -85,16 +85,27 @@ QUICKSTART_RUNS = {
         f"({OLD_DEFAULTS}, 256 conversations, 200 steps)",
     ),
 }
-# name -> specdraft-train overrides (on top of the shared ones below)
+# The equal-token ablation: name -> specdraft-train overrides (on top of ablation_overrides()),
+# in the order they are trained (the comparison the issue is about first).
 ABLATION = {
-    "medusa": ["experiment=medusa"],
-    "eagle": ["experiment=eagle"],
+    "eagle": ["experiment=eagle"],  # EAGLE-1 training, benched as an EAGLE-2 dynamic tree
+    "hass": ["experiment=hass"],  # Top-K + 3-step alignment, β = 0.5 (conf/loss/hass.yaml)
     "hass_topk": ["experiment=hass", "loss.rollout.steps=1"],
     "hass_align": ["experiment=hass", "loss.weights.topk=0"],
-    "hass": ["experiment=hass"],
+    "hass_beta1": ["experiment=hass", "loss.rollout.step_weight_base=1.0"],
     "eagle3": ["experiment=eagle3"],
     "hass_eagle3": ["experiment=hass_eagle3"],
 }
+ABLATION_REFERENCE = "eagle"  # every τ difference is paired against this head's
+# Every head trains and drafts over the same 8,192 most frequent assistant tokens: the decoder's
+# default shortlist for EAGLE-1/2 heads, and EAGLE-3's own draft vocabulary (32k by default) cut
+# to the same size, so that no head sees a different vocabulary; it also makes a CPU step ~3×
+# cheaper (docs/results.md, training speed).
+ABLATION_VOCAB = 8192
+ABLATION_BATCH_TOKENS = 4096  # the quickstart's batch: the same batches, in the same order, for all
+ABLATION_WARMUP = 20
+ABLATION_VAL_EVERY = 25  # steps between held-out validations: the acc_1 curve
+ABLATION_CHECKPOINT_EVERY = 50  # last.ckpt: what a killed run resumes from, and the benched weights
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
     "quickstart-fused-avx2": (
@@ -159,29 +170,49 @@ def head_method(name: str, checkpoint: Path, shape: str, shortlist: bool = True)
     )
 
 
-def ablation(budget: str) -> None:
-    for name, overrides in ABLATION.items():
-        run_dir = RESULTS / "train" / name
-        if (run_dir / "summary.json").is_file():
+def ablation_overrides(name: str, steps: int, features: Path) -> list[str]:
+    """What every ablation head shares: the features, the batches, the schedule, the vocabulary.
+
+    Equal TOKENS, not time: every head takes ``steps`` optimiser steps over the same batches (same
+    cache, batch size and seed), with the cosine decay ending at ``steps``, and its final weights
+    are benched."""
+    vocab = (
+        f"head.config.draft_vocab_size={ABLATION_VOCAB}"
+        if name in OWN_VOCAB
+        else f"loss.draft_vocab_size={ABLATION_VOCAB}"
+    )
+    return [
+        *ABLATION[name],
+        vocab,
+        f"run_name={name}",
+        f"paths.log_dir={RESULTS}",
+        "datamodule=cached",
+        f"datamodule.train_cache={features / 'train'}",
+        f"datamodule.val_cache={features / 'heldout'}",
+        f"datamodule.max_batch_tokens={ABLATION_BATCH_TOKENS}",
+        f"trainer.max_steps={steps}",
+        "trainer.max_time=null",
+        f"trainer.val_check_interval={ABLATION_VAL_EVERY}",
+        "trainer.limit_val_batches=1.0",
+        f"scheduler.warmup_steps={ABLATION_WARMUP}",
+        f"scheduler.total_steps={steps}",
+        f"callbacks.last_checkpoint.every_n_train_steps={ABLATION_CHECKPOINT_EVERY}",
+        "validate_at_end=true",
+        "callbacks.progress.refresh_rate=0",
+    ]
+
+
+def ablation(steps: int, features: Path | None) -> None:
+    """Train every ABLATION head for ``steps`` steps on the same features (a finished run is kept;
+    a killed one resumes from its last checkpoint)."""
+    if steps % ABLATION_CHECKPOINT_EVERY:
+        # last.ckpt must hold the final step's weights: it is what the bench reads.
+        raise SystemExit(f"--steps must be a multiple of {ABLATION_CHECKPOINT_EVERY}, got {steps}")
+    features = features or quickstart_features()
+    for name in ABLATION:
+        if (RESULTS / "train" / name / "summary.json").is_file():
             continue
-        command(
-            "specdraft-train",
-            *overrides,
-            f"run_name={name}",
-            f"paths.log_dir={RESULTS}",
-            "datamodule=cached",
-            f"datamodule.train_cache={quickstart_features() / 'train'}",
-            f"datamodule.val_cache={quickstart_features() / 'heldout'}",
-            "datamodule.max_batch_tokens=4096",
-            f"trainer.max_time={budget}",
-            "trainer.max_steps=1000000",
-            "trainer.val_check_interval=25",
-            "trainer.limit_val_batches=8",
-            "scheduler.warmup_steps=20",
-            "scheduler.total_steps=-1",  # the budget is wall-clock: no decay to a step count
-            "validate_at_end=true",
-            "callbacks.progress.refresh_rate=0",
-        )
+        command("specdraft-train", *ablation_overrides(name, steps, features))
 
 
 def bench(per_category: int) -> None:
@@ -881,7 +912,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--stages", nargs="+", default=["ablation", "bench", "curve", "doc"])
-    parser.add_argument("--budget", default="00:00:10:00", help="training wall-clock per ablation run")
+    parser.add_argument("--steps", type=int, default=300, help="training steps of every ablation head")
+    parser.add_argument(
+        "--features", type=Path, help="the ablation's feature caches (default: the quickstart's)"
+    )
     parser.add_argument("--per-category", type=int, default=2, help="MT-bench questions per category")
     parser.add_argument("--decoder-checkpoint", help="the head the decoder stage benches")
     parser.add_argument("--decoder-provenance", help="how that head was trained (kept in the snapshot)")
@@ -894,7 +928,7 @@ def main() -> None:
     started = time.perf_counter()
     for stage in args.stages:
         if stage == "ablation":
-            ablation(args.budget)
+            ablation(args.steps, args.features)
         elif stage == "bench":
             bench(args.per_category)
         elif stage == "curve":

@@ -1,0 +1,126 @@
+"""Chain acceptance per depth with the head's own features vs the target's: the counting rule by
+hand, and the whole measurement against a per-anchor loop over the decoder's own draft steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.data.features import FeatureBatch
+from specdraft.data.target import target_weights
+from specdraft.heads import Eagle3Config, Eagle3Head, EagleHead
+from specdraft.heads.vocab import draft_vocab_from_counts
+from specdraft.train.depth_acceptance import batch_counts, chain_counts, summarise
+from specdraft.train.rollout import RolloutConfig, rollout
+from tests.test_rollout import decode_steps
+
+
+def test_chain_counts_by_hand():
+    # One sequence, T=6, depth 3. Step j is right at the positions marked 1.
+    right = torch.tensor(
+        [
+            [1, 1, 0, 1, 1, 0],  # step 1
+            [0, 1, 1, 0, 1, 0],  # step 2
+            [0, 0, 1, 0, 0, 0],  # step 3
+        ],
+        dtype=torch.bool,
+    ).unsqueeze(1)
+    valid = torch.tensor([[1, 1, 1, 1, 1, 0]], dtype=torch.bool)  # the last position is not supervised
+    fed_ok = torch.tensor([[1, 1, 1, 0, 1, 1]], dtype=torch.bool)  # position 3's successor is off-greedy
+    counts = chain_counts(right, valid, fed_ok)
+    # depth 1: anchors 0..4 valid; right at 0, 1, 3, 4.
+    # depth 2 (step 2 at a+1): reachable a ∈ {0, 1, 2} (a+1 valid, fed_ok at a; a=3: fed_ok false,
+    #   a=4: a+1 invalid); of those right at depth 1: 0, 1; step 2 right at 1 (a=0), 2 (a=1).
+    # depth 3 (step 3 at a+2): reachable a ∈ {0, 1} (fed_ok at a+1 ∈ {1, 2}; a=2 needs fed_ok at 3);
+    #   through depth 2: 0, 1; step 3 right at a+2 = 2 (a=0) only.
+    assert counts.attempts.tolist() == [5, 2, 2]
+    assert counts.accepted.tolist() == [4, 2, 1]
+    assert counts.acceptance() == [0.8, 1.0, 0.5]
+    summary = summarise(counts, chain_counts(right[:1].expand(3, -1, -1), valid, fed_ok))
+    # Target features: step 1 at a+j−1. depth 2: a ∈ {0, 1, 2}, right at a: 0, 1 -> right at a+1: 1, 2
+    # -> {0}; depth 3: a ∈ {0, 1} through 2 -> {0}: needs step 1 right at 2: no.
+    assert summary["target_features"]["accepted"] == [4, 1, 0]
+    assert summary["gap_per_depth"][1] == pytest.approx(0.5 - 1.0)
+    assert summary["own_features"]["chain_tau"] == pytest.approx(1 + 0.8 + 0.8 + 0.4)
+
+
+def _draft_ids(head, outputs):
+    return head.draft_to_target(head.logits(outputs).argmax(-1))
+
+
+def _reference_counts(head, batch, depth, wanted, valid, fed_ok):
+    """Per anchor, a chain through the decoder's draft steps (KV cache, own features)."""
+    features = head.initial_features(batch.hidden, batch.aux)
+    length = batch.input_ids.shape[1]
+    own = torch.zeros(2, depth, dtype=torch.long)
+    target = torch.zeros(2, depth, dtype=torch.long)
+    for a in range(length - 1):
+        steps = min(depth, length - 1 - a)
+        drafted = decode_steps(head, features, batch.input_ids, a, steps)
+        own_guesses = [_draft_ids(head, out)[0] for out in drafted]
+        target_guesses = [
+            _draft_ids(head, decode_steps(head, features, batch.input_ids, a + j, 1)[0])[0]
+            for j in range(steps)
+        ]
+        for counts, guesses in ((own, own_guesses), (target, target_guesses)):
+            for j in range(1, depth + 1):
+                p = a + j - 1
+                if p >= length - 1 or not valid[p] or (j > 1 and not fed_ok[p - 1]):
+                    break
+                counts[0, j - 1] += 1
+                if guesses[j - 1] != wanted[p]:
+                    break
+                counts[1, j - 1] += 1
+    return own, target
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3_reduced"])
+def test_batch_counts_equal_a_chain_decoded_per_anchor(tiny_target, kind):
+    depth, length = 3, 14
+    torch.manual_seed(0)
+    weights = target_weights(tiny_target)
+    vocab_size = tiny_target.spec.vocab_size
+    if kind == "eagle":
+        head = EagleHead(tiny_target.spec, weights)
+    else:
+        d2t, t2d = draft_vocab_from_counts(torch.arange(vocab_size).flip(0), vocab_size // 2)
+        head = Eagle3Head(tiny_target.spec, weights, Eagle3Config(draft_vocab_size=vocab_size // 2), d2t, t2d)
+    head = head.double().eval()
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(1, length, tiny_target.spec.hidden_size, generator=generator, dtype=torch.float64)
+    aux = (
+        torch.randn(1, length, 3 * tiny_target.spec.hidden_size, generator=generator, dtype=torch.float64)
+        if kind != "eagle"
+        else None
+    )
+    input_ids = torch.randint(3, vocab_size, (1, length), generator=generator)
+    # Make chains happen: position p's wanted token (the target's argmax for p+2) is what step
+    # j*(p) = 1 + p mod depth drafts there, so the diagonal from anchors ≡ 0 (mod depth) is right:
+    # the chain from 6 goes all the way; position 4 gets a random token (the chain from 3 ends
+    # there); at p = 9 the draft is right but the data goes on with another token, which greedy
+    # decoding would not have fed (the chain from 9 cannot be followed past depth 1).
+    wanted = torch.zeros(length, dtype=torch.long)
+    for p in range(length - 2):
+        features = head.initial_features(hidden, aux)
+        outputs = rollout(head, features, input_ids, RolloutConfig(steps=depth))
+        token = _draft_ids(head, outputs[p % depth][0, p])
+        if p == 4:
+            token = torch.randint(3, vocab_size, (), generator=generator)
+        wanted[p] = token
+        input_ids[0, p + 2] = token if p != 9 else 3 + (token - 2) % (vocab_size - 3)
+    topk_ids = torch.zeros(1, length, 1, dtype=torch.long)
+    topk_ids[0, 1:, 0] = wanted[:-1]  # the argmax after p+1 is stored at p+1
+    loss_mask = torch.ones(1, length, dtype=torch.long)
+    loss_mask[0, :2] = 0  # the first two tokens are the prompt
+    batch = FeatureBatch(input_ids, torch.ones_like(loss_mask), loss_mask, hidden, aux=aux, topk_ids=topk_ids)
+    own, target = batch_counts(head, batch, depth)
+
+    valid = torch.cat([loss_mask[0, 1:], torch.zeros(1, dtype=torch.long)]).bool()
+    fed = torch.cat([input_ids[0, 2:], torch.zeros(2, dtype=torch.long)])
+    fed_ok = fed == wanted
+    ref_own, ref_target = _reference_counts(head, batch, depth, wanted, valid, fed_ok)
+    assert own.attempts.tolist() == ref_own[0].tolist()
+    assert own.accepted.tolist() == ref_own[1].tolist()
+    assert target.attempts.tolist() == ref_target[0].tolist()
+    assert target.accepted.tolist() == ref_target[1].tolist()
+    assert own.accepted[-1] >= 1  # some chain went all the way: the test exercised every depth

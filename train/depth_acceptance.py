@@ -1,0 +1,243 @@
+"""``specdraft-depth-acceptance``: how much acceptance a feature head loses at depth ≥ 2 because,
+at decode time, it reads its OWN features: the gap HASS's context alignment is meant to close.
+
+    specdraft-depth-acceptance outputs/results/train/eagle outputs/results/train/hass --out depth.json
+
+For every held-out chain start (anchor) a, a greedy chain of ``depth`` drafts is simulated along
+the held-out continuation, two ways:
+
+* **own features**, as at decode time: draft step j runs at position a+j−1 and reads the head's
+  step-(j−1) outputs there (the aligned rollout of :func:`specdraft.train.rollout.rollout`,
+  which the tests hold equal to the decoder's draft steps);
+* **target features**, as plain EAGLE training assumes: step j reads the target's features up
+  to a+j−1, i.e. it is step 1 at that position.
+
+Step j is right when its argmax over the head's drafting vocabulary is the target's argmax
+(over the whole vocabulary: a token outside the drafting vocabulary is a rejection, as when
+decoding). Acceptance at depth j = P(step j right | steps 1..j−1 right), the bench's acceptance
+per depth of a chain; chain τ = 1 + Σ_j Π_{i≤j} α_i. A step reads the data's token after its
+position (teacher forcing); that is the token greedy decoding would have fed only where the
+data token is the target's argmax, so a chain is followed only through such positions (on the
+quickstart's self-distilled greedy answers, nearly all of them).
+
+Each run dir is measured on its own held-out cache (``run_config.yaml``), with its own drafting
+vocabulary (EAGLE-3's; a reduced training vocabulary ``loss.draft_vocab_size``, which is the
+decoder's shortlist), from ``checkpoints/last.ckpt`` (the final weights) by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from torch import Tensor
+from tqdm import tqdm
+
+from specdraft.data.atomic import write_json_atomic
+from specdraft.data.features import FeatureBatch
+from specdraft.data.hardware import start
+from specdraft.eval.load import load_head
+from specdraft.heads import FeatureHead
+from specdraft.train.cli import build_objective, features_for_objective
+from specdraft.train.objective import simulated_tau
+from specdraft.train.rollout import RolloutConfig, rollout, shift_left
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEPTH = 4
+ARGMAX_CHUNK = 512  # positions per vocabulary-sized argmax (512 × 49k fp32 = 100 MB)
+
+
+def shifted(x: Tensor, offset: int) -> Tensor:
+    """x[:, a] <- x[:, a + offset] along dim 1 (False / 0 past the end)."""
+    if offset == 0:
+        return x
+    return torch.cat([x[:, offset:], torch.zeros_like(x[:, :offset])], dim=1)
+
+
+@dataclass
+class ChainCounts:
+    """attempts[j−1]: chains that reached depth j; accepted[j−1]: those whose step j was right."""
+
+    attempts: Tensor
+    accepted: Tensor
+
+    def __add__(self, other: ChainCounts) -> ChainCounts:
+        return ChainCounts(self.attempts + other.attempts, self.accepted + other.accepted)
+
+    def acceptance(self) -> list[float | None]:
+        return [float(a) / float(n) if n else None for a, n in zip(self.accepted, self.attempts, strict=True)]
+
+
+def chain_counts(right: Tensor, valid: Tensor, fed_ok: Tensor) -> ChainCounts:
+    """Greedy chains from every anchor a.
+
+    right   D×B×T bool  step j (row j−1) at position p drafted the target's argmax for p+1
+    valid   B×T  bool   position p is supervised (its next token is an assistant token)
+    fed_ok  B×T  bool   the token a step at p+1 reads (the data's) is the target's argmax at p+1
+    The chain from a reaches depth j when steps 1..j−1 were right at a..a+j−2, positions
+    a..a+j−1 are valid and the tokens read at a+1..a+j−1 are the ones greedy decoding feeds.
+    """
+    depth = right.shape[0]
+    through = torch.ones_like(valid)
+    reachable = torch.ones_like(valid)
+    attempts, accepted = [], []
+    for j in range(1, depth + 1):
+        reachable = reachable & shifted(valid, j - 1)
+        if j > 1:
+            reachable = reachable & shifted(fed_ok, j - 2)
+        attempts.append((reachable & through).sum())
+        through = through & shifted(right[j - 1], j - 1)
+        accepted.append((reachable & through).sum())
+    return ChainCounts(torch.stack(attempts), torch.stack(accepted))
+
+
+@torch.no_grad()
+def draft_argmax(head: FeatureHead, outputs: Tensor, vocab: Tensor | None) -> Tensor:
+    """outputs S×N×H (layer outputs) -> S×N target ids of the draft's argmax over its drafting
+    vocabulary (``vocab``: target ids of a reduced one for a head over the whole vocabulary)."""
+    projection = head.vocab_projection(outputs)
+    if vocab is not None and projection.draft_vocab is None:
+        projection = projection.restricted_to(vocab)
+    ids = torch.cat(
+        [
+            torch.matmul(projection.inputs[:, start : start + ARGMAX_CHUNK], projection.weight.mT).argmax(-1)
+            for start in range(0, outputs.shape[1], ARGMAX_CHUNK)
+        ],
+        dim=1,
+    )
+    return projection.draft_vocab[ids] if projection.draft_vocab is not None else ids
+
+
+@torch.no_grad()
+def target_argmax(head: FeatureHead, batch: FeatureBatch, b: Tensor, q: Tensor) -> Tensor:
+    """N: the target's argmax after positions (b, q), cached (top-1) or through its lm_head."""
+    if batch.topk_ids is not None:
+        return batch.topk_ids[b, q, 0]
+    hidden = batch.hidden[b, q]
+    return torch.cat(
+        [
+            head.target_logits(hidden[start : start + ARGMAX_CHUNK]).argmax(-1)
+            for start in range(0, hidden.shape[0], ARGMAX_CHUNK)
+        ]
+    )
+
+
+@torch.no_grad()
+def batch_counts(
+    head: FeatureHead, batch: FeatureBatch, depth: int, vocab: Tensor | None = None
+) -> tuple[ChainCounts, ChainCounts]:
+    """(own features, target features) chain counts of one batch, depths 1..``depth``."""
+    inputs = batch.input_hidden if batch.input_hidden is not None else batch.hidden
+    features = head.initial_features(inputs, batch.aux)
+    outputs = rollout(head, features, batch.input_ids, RolloutConfig(steps=depth))
+
+    valid = (shift_left(batch.loss_mask) * shift_left(batch.attention_mask)).bool()  # B×T
+    b, p = valid.nonzero(as_tuple=True)
+    wanted = target_argmax(head, batch, b, p + 1)  # the argmax for the token after p+1
+    drafted = draft_argmax(head, torch.stack([out[b, p] for out in outputs]), vocab)  # D×N
+    right = torch.zeros((depth, *valid.shape), dtype=torch.bool, device=valid.device)
+    right[:, b, p] = drafted == wanted
+    fed_ok = torch.zeros_like(valid)
+    fed = shift_left(shift_left(batch.input_ids))  # x_{p+2}: what the step at p+1 reads
+    fed_ok[b, p] = fed[b, p] == wanted
+    own = chain_counts(right, valid, fed_ok)
+    target = chain_counts(right[:1].expand(depth, -1, -1), valid, fed_ok)
+    return own, target
+
+
+def summarise(own: ChainCounts, target: ChainCounts) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for name, counts in (("own_features", own), ("target_features", target)):
+        acceptance = counts.acceptance()
+        result[name] = {
+            "acceptance_per_depth": acceptance,
+            "attempts": [int(n) for n in counts.attempts],
+            "accepted": [int(a) for a in counts.accepted],
+            "chain_tau": simulated_tau([a or 0.0 for a in acceptance]),
+        }
+    result["gap_per_depth"] = [
+        t - o if t is not None and o is not None else None
+        for t, o in zip(
+            result["target_features"]["acceptance_per_depth"],
+            result["own_features"]["acceptance_per_depth"],
+            strict=True,
+        )
+    ]
+    return result
+
+
+def measure_run(run_dir: Path, checkpoint: Path | None, depth: int) -> dict[str, Any]:
+    """Chain acceptance per depth of a training run's head on its held-out cache."""
+    config_path = run_dir / "run_config.yaml"
+    if not config_path.is_file():
+        raise SystemExit(f"{run_dir}: no run_config.yaml (not a specdraft-train run dir)")
+    cfg = OmegaConf.load(config_path)
+    checkpoint = checkpoint or run_dir / "checkpoints" / "last.ckpt"
+    if not checkpoint.is_file():
+        raise SystemExit(f"{run_dir}: no checkpoint {checkpoint}")
+    features_for_objective(cfg)
+    target = instantiate(cfg.target)
+    sources = {"conversations": instantiate(cfg.data.source)} if cfg.datamodule.mode == "online" else {}
+    datamodule = instantiate(cfg.datamodule)(target=target, num_workers=0, **sources)
+    datamodule.setup("validate")
+    head = load_head(checkpoint, target, dtype=torch.float32)
+    if not isinstance(head, FeatureHead):
+        raise SystemExit(
+            f"{run_dir}: a {type(head).__name__} reads no features of its own (EAGLE-kind heads only)"
+        )
+    vocab = build_objective(cfg.loss, target, datamodule).draft_vocab
+    own = target_counts = None
+    for batch in tqdm(datamodule.val_dataloader(), desc=run_dir.name, unit="batch"):
+        batch = datamodule.features_for(batch, training=False)
+        for name in ("hidden", "aux", "input_hidden"):
+            value = getattr(batch, name)
+            if value is not None:
+                setattr(batch, name, value.float())
+        batch_own, batch_target = batch_counts(head, batch, depth, vocab)
+        own = batch_own if own is None else own + batch_own
+        target_counts = batch_target if target_counts is None else target_counts + batch_target
+    return {
+        "run": run_dir.name,
+        "checkpoint": str(checkpoint),
+        "val_cache": cfg.datamodule.get("val_cache"),
+        **summarise(own, target_counts),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("runs", nargs="+", type=Path, help="specdraft-train run dirs")
+    parser.add_argument("--checkpoint", type=Path, help="with ONE run: this checkpoint instead of last.ckpt")
+    parser.add_argument("--depth", type=int, default=DEFAULT_DEPTH)
+    parser.add_argument("--out", type=Path, required=True, help="the JSON to write")
+    args = parser.parse_args(argv)
+    if args.depth < 1:
+        parser.error(f"--depth must be >= 1, got {args.depth}")
+    if args.checkpoint and len(args.runs) > 1:
+        parser.error("--checkpoint names one run's checkpoint: give one run dir")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    start("specdraft-depth-acceptance")
+    results = {}
+    for run_dir in args.runs:
+        results[run_dir.name] = measure_run(run_dir, args.checkpoint, args.depth)
+        own, target = results[run_dir.name]["own_features"], results[run_dir.name]["target_features"]
+        log.info(
+            "%s: acceptance per depth, own features %s, target features %s",
+            run_dir.name,
+            [round(a, 3) if a is not None else None for a in own["acceptance_per_depth"]],
+            [round(a, 3) if a is not None else None for a in target["acceptance_per_depth"]],
+        )
+    write_json_atomic(args.out, {"depth": args.depth, "runs": results})
+
+
+if __name__ == "__main__":
+    main()
