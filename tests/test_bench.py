@@ -17,8 +17,8 @@ from specdraft.data.tiny import tiny_random_target
 from specdraft.eval.bench import RECORDS, BenchDirError
 from specdraft.eval.cli import format_table, run
 from specdraft.eval.load import load_head
-from specdraft.eval.prompts import read_spec_bench
-from specdraft.eval.report import acceptance_per_depth, depth_attempts
+from specdraft.eval.prompts import Question, interleave, read_spec_bench
+from specdraft.eval.report import acceptance_per_depth, depth_attempts, paired_bootstrap
 from specdraft.heads.registry import build_head
 
 QUESTIONS = [
@@ -164,6 +164,70 @@ def test_spec_bench_per_category_takes_the_first_questions_of_each_category(tmp_
     # round-robin over the categories: any prefix (a limit, a time box) stays balanced
     assert [q.id for q in read_spec_bench(path, per_category=2)] == ["0", "3", "6", "1", "4"]
     assert [q.id for q in read_spec_bench(path, per_category=2, limit=3)] == ["0", "3", "6"]
+
+
+def test_interleave_alternates_the_prompt_sets_and_refuses_shared_ids():
+    mt = [Question(str(i), "writing", ("q",)) for i in range(3)]
+    code = [Question(f"HumanEval/{i}", "humaneval", ("c",)) for i in range(2)]
+    assert [q.id for q in interleave([mt, code])] == ["0", "HumanEval/0", "1", "HumanEval/1", "2"]
+    with pytest.raises(ValueError, match=r"share question ids \['1'\]"):
+        interleave([mt, mt[1:2]])
+
+
+def _turn(method, question, committed, forwards):
+    return {
+        "method": method,
+        "question_id": question,
+        "tokens": [0] * (committed + 1),
+        "steps": [[0]] * forwards,
+    }
+
+
+def test_paired_bootstrap_golden_values():
+    # Two prompts, reference τ = (3 + 9) / (3 + 6) = 4/3; the method commits twice as much per forward
+    # on EVERY prompt, so every resample's ratio is exactly 2 and its difference is τ_ref(resample).
+    reference = [_turn("ref", "a", 3, 3), _turn("ref", "b", 9, 6)]
+    doubled = [_turn("m", "a", 6, 3), _turn("m", "b", 18, 6)]
+    result = paired_bootstrap(reference + doubled, "m", "ref", samples=500)
+    assert result["prompts"] == 2
+    assert result["tau"] == pytest.approx(8 / 3) and result["tau_reference"] == pytest.approx(4 / 3)
+    assert result["ratio"] == pytest.approx({"estimate": 2.0, "low": 2.0, "high": 2.0})
+    # resampled τ_ref ranges over 1 (both "a"), 4/3 and 1.5 (both "b"): so does the difference
+    assert result["difference"]["estimate"] == pytest.approx(4 / 3)
+    assert result["difference"]["low"] == pytest.approx(1.0) and result["difference"][
+        "high"
+    ] == pytest.approx(1.5)
+    # identical methods: a zero-width interval at 0; prompts answered by one method only are left out
+    same = paired_bootstrap(
+        [*reference, _turn("m", "a", 3, 3), _turn("m", "b", 9, 6), _turn("m", "c", 1, 1)], "m", "ref"
+    )
+    assert same["prompts"] == 2 and same["difference"] == pytest.approx(
+        {"estimate": 0.0, "low": 0.0, "high": 0.0}
+    )
+    with pytest.raises(ValueError, match="no prompt answered by both"):
+        paired_bootstrap(reference, "m", "ref")
+
+
+def test_paired_bootstrap_interval_narrows_with_more_prompts():
+    generator = torch.Generator().manual_seed(0)
+
+    def records(prompts):
+        rows = []
+        for i in range(prompts):
+            forwards = int(torch.randint(20, 60, (), generator=generator))
+            base = int(torch.randint(forwards, 2 * forwards, (), generator=generator))
+            gain = int(torch.randint(0, forwards // 2, (), generator=generator))
+            rows += [_turn("ref", str(i), base, forwards), _turn("m", str(i), base + gain, forwards)]
+        return rows
+
+    small, large = paired_bootstrap(records(10), "m", "ref"), paired_bootstrap(records(160), "m", "ref")
+    for result in (small, large):
+        assert result["ratio"]["low"] <= result["ratio"]["estimate"] <= result["ratio"]["high"]
+        assert result["ratio"]["low"] > 1.0  # the method never commits less on any prompt
+    width = {n: r["ratio"]["high"] - r["ratio"]["low"] for n, r in (("small", small), ("large", large))}
+    assert width["large"] < width["small"] / 2  # ~1/√16 of it
+    rows = records(10)
+    assert paired_bootstrap(rows, "m", "ref", seed=3) == paired_bootstrap(rows, "m", "ref", seed=3)
 
 
 def test_load_head_refuses_another_target(tmp_path):

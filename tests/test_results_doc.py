@@ -31,42 +31,72 @@ def write(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj))
 
 
-def fake_ablation_outputs(log_dir: Path) -> None:
-    overall = {"tau": 2.345, "acceptance_per_depth": [0.61, 0.4, None], "speedup": 1.234}
-    report = {
-        "machine": {
-            "time": "2026-11-22T23:00:00",
-            "processor": "x86_64",
-            "cpu_count": 2,
-            "threads": 2,
-            "torch": "2.13.0+cpu",
-            "platform": "Linux",
-        },
-        "config": {
-            "prompts": {"per_category": 1, "max_turns": 1, "path": "/somewhere"},
-            "max_new_tokens": 128,
-        },
-        "results": {
-            "T=0": {
-                "plain": {"overall": {"tau": 1.0, "speedup": 1.0}, "per_category": {}},
-                "eagle_tree": {
-                    "overall": overall,
-                    "lossless": {"exact_turns": 3, "turns_compared": 8},
-                    "per_category": {"writing": {}},
-                },
-                "hf_prompt_lookup": {"overall": {"speedup": 0.617}},
-            },
-            "T=1": {"eagle_tree": {"overall": {"tau": 1.9, "speedup": 1.05}}},
-        },
+MACHINE = {
+    "time": "2026-11-24T08:00:00",
+    "processor": "x86_64",
+    "hardware": {"name": "AMD EPYC", "cpu_flags": ["avx2"]},
+    "cpu_count": 2,
+    "threads": 2,
+    "torch": "2.13.0+cpu",
+    "platform": "Linux",
+}
+
+
+def turn(method: str, question: str, category: str, committed: int, forwards: int, seconds: float) -> dict:
+    """One answer: ``forwards`` verify steps committing ``committed`` tokens after the first."""
+    tokens = list(range(committed + 1))
+    return {
+        "method": method,
+        "question_id": question,
+        "category": category,
+        "turn": 0,
+        "temperature": 0.0,
+        "tokens": tokens,
+        "total_s": seconds,
+        "prefill_s": 0.1,
+        "stop": "length",
+        "steps": [[4, 3, 1, 0.01, 0.05, 0.001]] * forwards,
     }
-    write(log_dir / "results" / "bench" / "ablation" / "report.json", report)
-    summary = {"global_step": 120, "tokens_seen": 491520, "fit_seconds": 600.0, "best_sim_tau": 1.61}
-    write(log_dir / "results" / "train" / "eagle" / "summary.json", {**summary, "best_checkpoint": "/x.ckpt"})
-    features = log_dir / "quickstart" / "features" / "regen-768"  # named by the planned conversations
-    write(features / "train" / "manifest.json", {"num_samples": 639, "num_tokens": 188364})
-    run_config = log_dir / "train" / "quickstart" / "run_config.yaml"  # the quickstart training's
-    run_config.parent.mkdir(parents=True)
-    run_config.write_text(f"datamodule:\n  train_cache: {features / 'train'}\n")
+
+
+def fake_ablation_outputs(results) -> None:
+    """The equal-token ablation's outputs: two trained heads, their bench (one MT-bench question and
+    one HumanEval problem at T=0) and the depth measurement."""
+    bench = results.RESULTS / "bench" / results.ABLATION_BENCH
+    write(bench / "report.json", {"machine": MACHINE, "config": {"max_new_tokens": 128}, "results": {}})
+    units = []
+    for question, category in (("81", "writing"), ("HumanEval/0", "humaneval")):
+        records = [
+            turn("plain", question, category, 40, 40, 4.0),
+            turn("eagle_tree", question, category, 40, 20, 2.5),  # τ 2
+            turn("hass_tree", question, category, 40, 10, 2.0),  # τ 4: twice EAGLE-2's on every prompt
+        ]
+        units.append({"question_id": question, "temperature": 0.0, "records": records})
+    (bench / "records.jsonl").write_text("".join(json.dumps(u) + "\n" for u in units))
+    final = {"val/acc_1": 0.4, "val/acc_2": 0.3, "val/acc_3": 0.25, "val/acc_4": 0.2, "val/sim_tau": 1.6}
+    features = results.LOG_DIR / "quickstart" / "features" / "regen-378"
+    write(features / "train" / "manifest.json", {"num_samples": 303, "num_tokens": 88435})
+    for name in ("eagle", "hass"):
+        run = results.RESULTS / "train" / name
+        summary = {"global_step": 300, "tokens_seen": 1105999, "fit_seconds": 600.0, "best_sim_tau": 1.61}
+        write(run / "summary.json", {**summary, "final_val": final, "best_checkpoint": "/x.ckpt"})
+        (run / "run_config.yaml").write_text(f"datamodule:\n  train_cache: {features / 'train'}\n")
+        metrics = run / "csv" / "version_0" / "metrics.csv"
+        metrics.parent.mkdir(parents=True)
+        rows = [
+            "step,train/loss,val/acc_1,val/sim_tau",
+            "10,1.0,,",
+            "49,,0.25,1.3",
+            "99,,0.35,1.5",
+            "124,,0.36,1.5",
+        ]
+        metrics.write_text("\n".join(rows) + "\n")
+    depth = {
+        "own_features": {"acceptance_per_depth": [0.36, 0.35, 0.27, None], "chain_tau": 1.55},
+        "target_features": {"acceptance_per_depth": [0.36, 0.45, 0.38, None], "chain_tau": 1.62},
+        "gap_per_depth": [0.0, 0.1, 0.11, None],
+    }
+    write(results.RESULTS / results.DEPTH_JSON, {"depth": 4, "runs": {"eagle": depth}})
 
 
 def test_doc_renders_from_snapshots_and_keeps_what_it_cannot_reread(results, tmp_path: Path) -> None:
@@ -74,21 +104,26 @@ def test_doc_renders_from_snapshots_and_keeps_what_it_cannot_reread(results, tmp
     docs.mkdir()
     measured_earlier = "a quickstart table measured on a machine that is gone"
     (docs / "results.md").write_text(f"# Results\n\n{results.QUICKSTART_TITLE}\n\n{measured_earlier}\n\n")
-    fake_ablation_outputs(results.LOG_DIR)
+    fake_ablation_outputs(results)
 
     results.doc()
     text = (docs / "results.md").read_text()
-    snapshot = json.loads((docs / "results" / "ablation.json").read_text())
-    assert snapshot["data"] == {"num_samples": 639, "num_tokens": 188364}
-    assert "per_category" not in snapshot["report"]["results"]["T=0"]["eagle_tree"]  # compact
-    assert "path" not in snapshot["report"]["config"]["prompts"]  # no local paths committed
-    assert snapshot["training"]["medusa"] is None
-    # τ, α (None depths skipped), speedup, agreement, T=1, and the ratio to prompt lookup (1.234 / 0.617)
-    assert "| eagle_tree | 2.35 | 0.61 / 0.40 | 1.23× | 3/8 | 1.90 | 1.05× | 2.00× |" in text
-    assert "| eagle | 120 steps, 491,520 tokens seen, 10.0 min, best simulated τ 1.610 |" in text
-    assert "| medusa | – |" in text
-    assert "| hf_prompt_lookup | – | – | 0.62× | – | – | – | 1.00× |" in text  # τ not observable in HF
-    assert "(639 conversations, 188,364 tokens)" in text
+    snapshot = json.loads((docs / "results" / results.ABLATION_SNAPSHOT).read_text())
+    assert snapshot["data"] == {"num_samples": 303, "num_tokens": 88435}
+    assert snapshot["prompts"] == {"MT-bench": 1, "HumanEval": 1}
+    assert snapshot["training"]["eagle"]["curve"] == [[49, 0.25, 1.3], [99, 0.35, 1.5], [124, 0.36, 1.5]]
+    assert "(303 conversations, 88,435 tokens;" in text
+    assert "| eagle | 300 | 1,105,999 | 0.400 / 0.300 / 0.250 / 0.200 | 1.600 | 0.25 0.35 |" in text
+    # each suite gets its own table; the reference's row, then HASS against it, paired per prompt
+    assert text.count("| head | τ | α per depth | τ ÷ EAGLE-2 [95 % CI]") == 2
+    assert text.index("MT-bench, T=0:") < text.index("HumanEval, T=0:")
+    assert "| eagle | 2.000 | 1.00 / 0.00 | 1 (reference) | – | 1.60× | 1/1 |" in text
+    assert (
+        "| hass | 4.000 | 1.00 / 0.00 | 2.000 [2.000, 2.000] | +2.000 [+2.000, +2.000] | 2.00× | 1/1 |"
+        in text
+    )
+    own, target = "0.360 / 0.350 / 0.270 / –", "0.360 / 0.450 / 0.380 / –"
+    assert f"| eagle | {own} | {target} | 0.100 / 0.110 / – | 1.550 / 1.620 |" in text
     assert measured_earlier in text  # no snapshot for the quickstart: its section is kept as it was
     assert "_Not run yet: `python scripts/results.py --stages curve doc`._" in text
 
@@ -96,6 +131,19 @@ def test_doc_renders_from_snapshots_and_keeps_what_it_cannot_reread(results, tmp
     shutil.rmtree(results.LOG_DIR)
     results.doc()
     assert (docs / "results.md").read_text() == text
+
+
+def test_ablation_section_before_its_bench_shows_training_and_the_mechanism(results, tmp_path: Path) -> None:
+    fake_ablation_outputs(results)
+    depth = json.loads((results.RESULTS / results.DEPTH_JSON).read_text())
+    write(results.RESULTS / results.DEPTH_JSON, {**depth, "machine": MACHINE})
+    shutil.rmtree(results.RESULTS / "bench")
+    results.doc()
+    text = (tmp_path / "docs" / "results.md").read_text()
+    assert "Machine: 2026-11-24, AMD EPYC (avx2)" in text  # the depth measurement's
+    assert "not benched yet (`--stages bench`)" in text and "τ ÷ EAGLE-2" not in text
+    assert "Not trained yet: hass_topk, hass_align, hass_beta1, eagle3, hass_eagle3." in text
+    assert "| hass | 300 | 1,105,999 |" in text and "| eagle | 0.360 / 0.350" in text
 
 
 def test_decoder_section_reports_overheads_against_the_plain_step_and_the_auto_choice(results, tmp_path):

@@ -42,6 +42,7 @@ from tqdm import tqdm
 from specdraft.data.atomic import write_json_atomic
 from specdraft.data.features import FeatureBatch
 from specdraft.data.hardware import start
+from specdraft.eval.bench import machine_info
 from specdraft.eval.load import load_head
 from specdraft.heads import FeatureHead
 from specdraft.train.cli import build_objective, features_for_objective
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
             [round(a, 3) if a is not None else None for a in own["acceptance_per_depth"]],
             [round(a, 3) if a is not None else None for a in target["acceptance_per_depth"]],
         )
-    write_json_atomic(args.out, {"depth": args.depth, "runs": results})
+    write_json_atomic(args.out, {"depth": args.depth, "machine": machine_info(), "runs": results})
 
 
 if __name__ == "__main__":
