@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import compose_train
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "results.py"
 
 
@@ -240,3 +242,16 @@ def test_quickstart_runs_without_a_snapshot_keep_their_text_and_get_their_machin
         "",
     ]
     assert results.kept_runs(["", *kept], snapshotted=set()) == kept  # idempotent on the next render
+
+
+def test_every_ablation_head_composes_with_the_shared_overrides(results, tmp_path: Path) -> None:
+    for name in results.ABLATION:
+        cfg = compose_train(tmp_path / name, *results.ablation_overrides(name, 300, tmp_path / "features"))
+        assert cfg.trainer.max_steps == 300 and cfg.scheduler.total_steps == 300
+        assert cfg.datamodule.max_batch_tokens == results.ABLATION_BATCH_TOKENS
+        own_vocab = cfg.head.kind == "eagle3"
+        assert (name in results.OWN_VOCAB) == own_vocab  # EAGLE-3 heads draft over their own vocabulary
+        vocab = cfg.head.config.draft_vocab_size if own_vocab else cfg.loss.draft_vocab_size
+        assert vocab == results.ABLATION_VOCAB
+    hass = compose_train(tmp_path / "h", *results.ablation_overrides("hass_beta1", 300, tmp_path))
+    assert hass.loss.rollout.step_weight_base == 1.0 and hass.loss.rollout.steps == 3
