@@ -119,6 +119,7 @@ SUITES = {
 DEPTH_STEPS = 4  # depths of the own- vs target-feature acceptance (specdraft-depth-acceptance)
 DEPTH_JSON = "depth_acceptance.json"
 ABLATION_SNAPSHOT = "ablation_tokens.json"
+ABLATION_CURVE_PNG = "results_ablation_curve.png"
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
@@ -732,6 +733,7 @@ def ablation_section() -> list[str] | None:
     else:
         benched = "not benched yet (`--stages bench`): the held-out measurements only."
     missing = [name for name in ABLATION if name not in trained]
+    plot_training_curves(snapshot["training"])
     lines = [
         f"Machine: {machine_line(snapshot)}. Data: the quickstart's self-distilled features "
         f"({data_text(snapshot['data'])}; held-out acc / τ on its held-out split). Every head: "
@@ -739,6 +741,8 @@ def ablation_section() -> list[str] | None:
         f"same order), cosine decay to that step, one {setup['vocab']:,}-token vocabulary (EAGLE-1/2's "
         f"training vocabulary and the decoder's shortlist, EAGLE-3's own); {benched}"
         + (f" Not trained yet: {', '.join(missing)}." if missing else ""),
+        "",
+        f"![held-out acc_1 and simulated τ during training]({ABLATION_CURVE_PNG})",
         "",
         "| head | steps | tokens seen | held-out acc_1..4 (final) | simulated τ (final) "
         "| held-out acc_1 every 50 steps |",
@@ -1095,6 +1099,29 @@ def train_speed_section() -> list[str] | None:
                 )
     lines.append("")
     return lines
+
+
+def plot_training_curves(training: dict[str, dict]) -> None:
+    """ABLATION_CURVE_PNG: held-out acc_1 and simulated τ against the step, one line per head."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (top1, tau) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for name in (name for name in ABLATION if name in training):
+        curve = training[name]["curve"]
+        steps = [step + 1 for step, _, _ in curve]
+        top1.plot(steps, [acc for _, acc, _ in curve], marker=".", label=name)
+        tau.plot(steps, [t for _, _, t in curve], marker=".", label=name)
+    top1.set(xlabel="training step", ylabel="held-out acc_1", title="Held-out top-1 (step 1)")
+    tau.set(xlabel="training step", ylabel="simulated τ", title="Held-out simulated τ (4 steps)")
+    for axes in (top1, tau):
+        axes.grid(alpha=0.3)
+    tau.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(DOCS / ABLATION_CURVE_PNG, dpi=120)
+    plt.close(figure)
 
 
 def plot_curve(curves: dict[str, list[tuple[float, float]]]) -> None:
