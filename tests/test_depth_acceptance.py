@@ -124,3 +124,13 @@ def test_batch_counts_equal_a_chain_decoded_per_anchor(tiny_target, kind):
     assert target.attempts.tolist() == ref_target[0].tolist()
     assert target.accepted.tolist() == ref_target[1].tolist()
     assert own.accepted[-1] >= 1  # some chain went all the way: the test exercised every depth
+
+
+def test_a_batch_without_supervised_positions_counts_nothing(tiny_target):
+    head = EagleHead(tiny_target.spec, target_weights(tiny_target)).eval()
+    ids = torch.randint(3, tiny_target.spec.vocab_size, (1, 6))
+    hidden = torch.randn(1, 6, tiny_target.spec.hidden_size)
+    batch = FeatureBatch(ids, torch.ones_like(ids), torch.zeros_like(ids), hidden)  # a prompt only
+    own, target = batch_counts(head, batch, depth=3)
+    assert own.attempts.tolist() == [0, 0, 0] and target.accepted.tolist() == [0, 0, 0]
+    assert own.acceptance() == [None, None, None]

@@ -106,13 +106,10 @@ def draft_argmax(head: FeatureHead, outputs: Tensor, vocab: Tensor | None) -> Te
     projection = head.vocab_projection(outputs)
     if vocab is not None and projection.draft_vocab is None:
         projection = projection.restricted_to(vocab)
-    ids = torch.cat(
-        [
-            torch.matmul(projection.inputs[:, start : start + ARGMAX_CHUNK], projection.weight.mT).argmax(-1)
-            for start in range(0, outputs.shape[1], ARGMAX_CHUNK)
-        ],
-        dim=1,
-    )
+    ids = torch.zeros(outputs.shape[:2], dtype=torch.long, device=outputs.device)
+    for first in range(0, outputs.shape[1], ARGMAX_CHUNK):
+        chunk = projection.inputs[:, first : first + ARGMAX_CHUNK]
+        ids[:, first : first + ARGMAX_CHUNK] = torch.matmul(chunk, projection.weight.mT).argmax(-1)
     return projection.draft_vocab[ids] if projection.draft_vocab is not None else ids
 
 
@@ -122,12 +119,12 @@ def target_argmax(head: FeatureHead, batch: FeatureBatch, b: Tensor, q: Tensor) 
     if batch.topk_ids is not None:
         return batch.topk_ids[b, q, 0]
     hidden = batch.hidden[b, q]
-    return torch.cat(
-        [
-            head.target_logits(hidden[start : start + ARGMAX_CHUNK]).argmax(-1)
-            for start in range(0, hidden.shape[0], ARGMAX_CHUNK)
-        ]
-    )
+    ids = torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device)
+    for first in range(0, hidden.shape[0], ARGMAX_CHUNK):
+        ids[first : first + ARGMAX_CHUNK] = head.target_logits(hidden[first : first + ARGMAX_CHUNK]).argmax(
+            -1
+        )
+    return ids
 
 
 @torch.no_grad()
