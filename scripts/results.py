@@ -4,12 +4,15 @@
 
 Stages (``--stages`` picks some):
 
-* ``ablation``  — Medusa, EAGLE, HASS (Top-K only / alignment only / both), EAGLE-3 and HASS on
-  EAGLE-3 trained one after the other on the quickstart's cached features (its self-distilled
-  SmolLM2 answers), each for the same wall-clock budget (``--budget``);
-* ``bench``     — ONE ``specdraft-bench`` run over every trained head (EAGLE-1 as a chain and as
-  an EAGLE-2 dynamic tree), HF prompt lookup and plain decoding, interleaved per question, at
-  T=0 and T=1 on MT-bench;
+* ``ablation``  — the equal-token ablation: EAGLE, HASS (both at β = 0.5, Top-K only, alignment
+  only, both at β = 1), EAGLE-3 and HASS on EAGLE-3 trained one after the other for the same
+  ``--steps`` over the same batches of the quickstart's cached features (its self-distilled
+  SmolLM2 answers; ``--features`` another cache pair) and one ``ABLATION_VOCAB``-token vocabulary;
+* ``depth``     — ``specdraft-depth-acceptance`` over the trained ablation heads: greedy chain
+  acceptance per depth on the held-out cache, own features vs the target's;
+* ``bench``     — ONE ``specdraft-bench`` run over the ablation heads' final weights as the same
+  EAGLE-2 dynamic tree and plain decoding, interleaved per question, at T=0 and T=1 on 40
+  MT-bench first turns and 40 HumanEval problems (``--max-minutes``: a time box; it resumes);
 * ``curve``     — every ``CURVE_EVERY``-th step's checkpoint of the quickstart runs in ``CURVE_RUNS``
   (256, 512 and 768 regenerated conversations), benched together at T=0: τ against training time,
   at three amounts of data;
@@ -24,7 +27,8 @@ Stages (``--stages`` picks some):
   and the acceptance of full- vs reduced-vocabulary training (``--vocab-acceptance``): snapshotted
   as they are into docs/results/train_speed.json (a regeneration or acceptance measurement not
   given again is kept);
-* ``doc``       — docs/results.md and docs/results_curve.png from the JSON the stages wrote.
+* ``doc``       — docs/results.md and its plots from the JSON the stages wrote (the ablation's
+  paired-bootstrap intervals are computed from its bench's records when it is snapshotted).
 
 The numbers in the doc are read from those JSON files only.
 """
@@ -155,11 +159,6 @@ RUN_CONDITIONS = {
     "quickstart-sharegpt": "2026-11-22, every stage alone on the machine.",
 }
 TREE = "{kind: dynamic, depth: 5, top_k: 6, total_tokens: 24}"  # the quickstart's head_tree
-CHAIN = "{kind: chain, depth: 4}"
-MEDUSA_TREE = (  # conf/methods/medusa.yaml's static tree
-    "{kind: static, rank_accept: [[0.6, 0.15, 0.08, 0.05], [0.4, 0.12, 0.06], [0.3, 0.1], [0.25]], "
-    "num_nodes: 16}"
-)
 # τ vs training time and data: quickstart runs (specdraft-quickstart name=…) whose checkpoints/curve
 # (every 50 steps) are benched together, every CURVE_EVERY steps; labels become method names.
 CURVE_RUNS = {"quickstart-256": "c256", "quickstart-512": "c512", "quickstart": "c768"}
@@ -171,11 +170,6 @@ def command(name: str, *overrides: str) -> None:
     argv = [str(Path(sys.executable).parent / name), *overrides]
     print("$ " + " ".join(argv), flush=True)
     subprocess.run(argv, check=True)
-
-
-def best_checkpoint(run_dir: Path) -> Path:
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return Path(summary["best_checkpoint"])
 
 
 def final_checkpoint(run_dir: Path) -> Path:
