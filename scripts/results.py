@@ -30,7 +30,9 @@ Stages (``--stages`` picks some):
 * ``doc``       — docs/results.md and its plots from the JSON the stages wrote (the ablation's
   paired-bootstrap intervals are computed from its bench's records when it is snapshotted).
 
-The numbers in the doc are read from those JSON files only.
+The stages write JSON (and CSV training logs); ``doc`` snapshots what the doc needs from them into
+docs/results/ and renders the doc from those snapshots only. ``--stages`` defaults to the
+equal-token ablation: ablation depth bench doc.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ import yaml
 
 from specdraft.data.atomic import write_bytes_atomic, write_json_atomic
 from specdraft.eval.bench import read_records
-from specdraft.eval.report import paired_bootstrap, summarize
+from specdraft.eval.report import CONFIDENCE, paired_bootstrap, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 LOG_DIR = Path(os.environ.get("SPECDRAFT_LOG_DIR", ROOT / "outputs"))
@@ -124,6 +126,7 @@ DEPTH_STEPS = 4  # depths of the own- vs target-feature acceptance (specdraft-de
 DEPTH_JSON = "depth_acceptance.json"
 ABLATION_SNAPSHOT = "ablation_tokens.json"
 ABLATION_CURVE_PNG = "results_ablation_curve.png"
+CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value per this many steps
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
@@ -246,6 +249,7 @@ def bench(max_minutes: float | None) -> None:
         "specdraft-bench",
         "methods=none",
         *methods,
+        *training_vocab_shortlist(train_cache(RESULTS / "train" / ABLATION_REFERENCE)),
         "checkpoint=null",
         f"run_name={ABLATION_BENCH}",
         f"paths.log_dir={RESULTS}",
@@ -259,15 +263,54 @@ def bench(max_minutes: float | None) -> None:
     )
 
 
-def depth(depth_steps: int = DEPTH_STEPS) -> None:
-    """Chain acceptance per depth, own features vs the target's, of every trained EAGLE-kind
-    ablation head on the held-out cache (specdraft-depth-acceptance)."""
-    runs = [
-        str(RESULTS / "train" / name)
-        for name in ABLATION
-        if (RESULTS / "train" / name / "summary.json").is_file()
+def training_vocab_shortlist(cache: Path) -> list[str]:
+    """specdraft-bench overrides that make the decoder's shortlist the EAGLE-1/2 heads' training
+    vocabulary: the ABLATION_VOCAB most frequent assistant tokens of the same split of the same
+    conversations the train cache was computed from (its plan.json). The bench's default shortlist
+    counts ShareGPT's original answers instead: for the quickstart's self-distilled cache only
+    4,753 of its 8,192 tokens are in the training vocabulary (measured 2026-11-24)."""
+    data = json.loads((cache / "plan.json").read_text())["source"]["data"]
+    source = dict(data["source"])
+    if source.get("path") and not Path(source["path"]).is_absolute():
+        source["path"] = str(ROOT / source["path"])  # the cache's paths are relative to the repo
+
+    def value(item: object) -> str:
+        return "null" if item is None else f"'{item}'" if isinstance(item, str) else str(item)
+
+    return [
+        f"shortlist.size={ABLATION_VOCAB}",
+        "~shortlist.source",  # replaced whole: the default reader takes other arguments
+        "+shortlist.source={" + ", ".join(f"{key}: {value(item)}" for key, item in source.items()) + "}",
+        f"shortlist.heldout_fraction={data['heldout_fraction']}",
+        f"shortlist.split_seed={data['split_seed']}",
+        f"shortlist.max_length={data['max_length']}",
     ]
-    command("specdraft-depth-acceptance", *runs, f"--depth={depth_steps}", f"--out={RESULTS / DEPTH_JSON}")
+
+
+def depth(depth_steps: int = DEPTH_STEPS) -> None:
+    """Chain acceptance per depth, own features vs the target's, of every trained ablation head
+    on the held-out cache (specdraft-depth-acceptance), merged into RESULTS/DEPTH_JSON: a head
+    measured already is not measured again."""
+    path = RESULTS / DEPTH_JSON
+    measured = read_json(path) or {"runs": {}}
+    runs = [
+        name
+        for name in ABLATION
+        if (RESULTS / "train" / name / "summary.json").is_file() and name not in measured["runs"]
+    ]
+    if not runs:
+        print("depth: every trained ablation head is measured already")
+        return
+    partial = RESULTS / f"{DEPTH_JSON}.partial"
+    command(
+        "specdraft-depth-acceptance",
+        *(str(RESULTS / "train" / name) for name in runs),
+        f"--depth={depth_steps}",
+        f"--out={partial}",
+    )
+    new = json.loads(partial.read_text())
+    write_json_atomic(path, {**new, "runs": {**measured["runs"], **new["runs"]}})
+    partial.unlink()
 
 
 def decoder(checkpoint: str | None, per_category: int) -> None:
@@ -312,7 +355,7 @@ def curve(per_category: int) -> None:
 
 def doc(decoder_provenance: str | None = None) -> None:
     """Snapshot the runs found under LOG_DIR into docs/results/, then render docs/results.md (and
-    results_curve.png) from the snapshots.
+    its plots) from the snapshots.
 
     The snapshots are the measured numbers, committed with the doc, so the doc can be re-rendered on
     any clone. A section whose snapshot is missing keeps the text it had (its runs' outputs may be
@@ -469,18 +512,22 @@ def ablation_snapshot() -> dict | None:
 
 
 def val_curve(run_dir: Path) -> list[list[float]]:
-    """[step, held-out acc_1, simulated τ] at every validation of a run (its newest CSV log)."""
+    """[step, held-out acc_1, simulated τ] at every validation of a run, across its CSV logs (a
+    resumed run starts a new one; a later row wins its step). The end-of-training validation of the
+    same weights, logged one step after the last in-loop one with the same numbers, is dropped."""
     logs = sorted(
         (run_dir / "csv").glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1])
     )
-    if not logs:
-        return []
-    with logs[-1].open() as handle:
-        return [
-            [int(row["step"]), float(row["val/acc_1"]), float(row["val/sim_tau"])]
-            for row in csv.DictReader(handle)
-            if row.get("val/acc_1")
-        ]
+    by_step: dict[int, list[float]] = {}
+    for log in logs:
+        with log.open() as handle:
+            for row in csv.DictReader(handle):
+                if row.get("val/acc_1"):
+                    by_step[int(row["step"])] = [float(row["val/acc_1"]), float(row["val/sim_tau"])]
+    curve = [[step, *by_step[step]] for step in sorted(by_step)]
+    if len(curve) > 1 and curve[-1][0] == curve[-2][0] + 1 and curve[-1][1:] == curve[-2][1:]:
+        curve.pop()
+    return curve
 
 
 def compact(report: dict) -> dict:
@@ -526,14 +573,17 @@ def quickstart_features() -> Path:
     return (cache if cache.is_absolute() else ROOT / cache).parent
 
 
+def train_cache(run_dir: Path) -> Path:
+    """The train cache a training run read (from its resolved config)."""
+    cache = Path(yaml.safe_load((run_dir / "run_config.yaml").read_text())["datamodule"]["train_cache"])
+    return cache if cache.is_absolute() else ROOT / cache
+
+
 def run_data(run: str | Path) -> dict | None:
-    """The train cache a training run (its name under LOG_DIR/train, or its dir) read, from its
-    resolved config: its manifest counts."""
-    config = (run if isinstance(run, Path) else LOG_DIR / "train" / run) / "run_config.yaml"
-    if not config.is_file():
-        return None
-    cache = Path(yaml.safe_load(config.read_text())["datamodule"]["train_cache"])
-    return manifest_counts(cache if cache.is_absolute() else ROOT / cache)
+    """The manifest counts of the train cache a training run (its name under LOG_DIR/train, or its
+    dir) read."""
+    run_dir = run if isinstance(run, Path) else LOG_DIR / "train" / run
+    return manifest_counts(train_cache(run_dir)) if (run_dir / "run_config.yaml").is_file() else None
 
 
 def read_json(path: Path) -> dict | None:
@@ -721,15 +771,19 @@ def ablation_section() -> list[str] | None:
                 if box.get("units_left")
                 else ""
             )
-            + ". Intervals: 95 % percentile bootstrap over prompts, paired with EAGLE-2 "
-            f"(`{ABLATION_REFERENCE}`) on the same prompts."
+            + f". Intervals: {CONFIDENCE:.0%} percentile bootstrap over prompts, paired with EAGLE-2 "
+            f"(`{ABLATION_REFERENCE}`) on the same prompts; each interval stands alone (with this many "
+            "of them, one in twenty may miss by chance)."
         )
     else:
         benched = "not benched yet (`--stages bench`): the held-out measurements only."
     missing = [name for name in ABLATION if name not in trained]
     plot_training_curves(snapshot["training"])
+    machine = (
+        machine_line(snapshot) if snapshot.get("machine") else "not recorded (no bench, no depth run yet)"
+    )
     lines = [
-        f"Machine: {machine_line(snapshot)}. Data: the quickstart's self-distilled features "
+        f"Machine: {machine}. Data: the quickstart's self-distilled features "
         f"({data_text(snapshot['data'])}; held-out acc / τ on its held-out split). Every head: "
         f"{setup['steps']} optimiser steps over the same batches (≤ {setup['batch_tokens']:,} tokens each, "
         f"same order), cosine decay to that step, one {setup['vocab']:,}-token vocabulary (EAGLE-1/2's "
@@ -739,14 +793,16 @@ def ablation_section() -> list[str] | None:
         f"![held-out acc_1 and simulated τ during training]({ABLATION_CURVE_PNG})",
         "",
         "| head | steps | tokens seen | held-out acc_1..4 (final) | simulated τ (final) "
-        "| held-out acc_1 every 50 steps |",
+        f"| held-out acc_1 every {CURVE_COLUMN_EVERY} steps |",
         "|---|---|---|---|---|---|",
     ]
     for name in (name for name in ABLATION if name in snapshot["training"]):
         run = snapshot["training"][name]
         final = run.get("final_val", {})
-        accs = " / ".join(f"{final[f'val/acc_{j}']:.3f}" for j in range(1, 5) if f"val/acc_{j}" in final)
-        curve = " ".join(f"{acc:.2f}" for step, acc, _ in run["curve"] if (step + 1) % 50 == 0)
+        accs = " / ".join(f"{final[key]:.3f}" for key in sorted(final) if key.startswith("val/acc_"))
+        curve = " ".join(
+            f"{acc:.2f}" for step, acc, _ in run["curve"] if (step + 1) % CURVE_COLUMN_EVERY == 0
+        )
         lines.append(
             f"| {name} | {run['global_step']} | {run['tokens_seen']:,} | {accs} | "
             f"{final.get('val/sim_tau', float('nan')):.3f} | {curve} |"
@@ -756,9 +812,10 @@ def ablation_section() -> list[str] | None:
             methods = suites[suite]
             lines += [
                 "",
-                f"{suite}, {temperature}:",
+                f"{suite}, {temperature} ({suite_prompts(methods)} prompts):",
                 "",
-                "| head | τ | α per depth | τ ÷ EAGLE-2 [95 % CI] | Δτ [95 % CI] | speedup "
+                f"| head | τ | α per depth | τ ÷ EAGLE-2 [{CONFIDENCE:.0%} CI] | Δτ [{CONFIDENCE:.0%} CI] "
+                "| speedup "
                 "| identical to plain |",
                 "|---|---|---|---|---|---|---|",
             ]
@@ -793,22 +850,30 @@ def ablation_section() -> list[str] | None:
             "held-out split, the head reading its OWN features at depth ≥ 2 (as when decoding) against "
             "the target's (as plain EAGLE training assumes); gap = target − own.",
             "",
-            "| head | α own features d1..d4 | α target features d1..d4 | gap d2..d4 | chain τ own / target |",
+            f"| head | α own features d1..d{depth['depth']} | α target features d1..d{depth['depth']} "
+            f"| gap d2..d{depth['depth']} | chain τ own / target |",
             "|---|---|---|---|---|",
         ]
         for name in (name for name in ABLATION if name in depth["runs"]):
             run = depth["runs"][name]
             own, target = run["own_features"], run["target_features"]
-
-            def rates(values: list) -> str:
-                return " / ".join("–" if v is None else f"{v:.3f}" for v in values)
-
             lines.append(
                 f"| {name} | {rates(own['acceptance_per_depth'])} "
                 f"| {rates(target['acceptance_per_depth'])} | "
                 f"{rates(run['gap_per_depth'][1:])} | {own['chain_tau']:.3f} / {target['chain_tau']:.3f} |"
             )
     return [*lines, ""]
+
+
+def suite_prompts(methods: dict[str, dict]) -> int:
+    """The prompts the suite's intervals rest on (those every head answered)."""
+    return min(
+        (m["against_reference"]["prompts"] for m in methods.values() if "against_reference" in m), default=0
+    )
+
+
+def rates(values: list[float | None]) -> str:
+    return " / ".join("–" if v is None else f"{v:.3f}" for v in values)
 
 
 def wallclock_ablation_section() -> list[str] | None:
@@ -1109,7 +1174,7 @@ def plot_training_curves(training: dict[str, dict]) -> None:
         top1.plot(steps, [acc for _, acc, _ in curve], marker=".", label=name)
         tau.plot(steps, [t for _, _, t in curve], marker=".", label=name)
     top1.set(xlabel="training step", ylabel="held-out acc_1", title="Held-out top-1 (step 1)")
-    tau.set(xlabel="training step", ylabel="simulated τ", title="Held-out simulated τ (4 steps)")
+    tau.set(xlabel="training step", ylabel="simulated τ", title="Held-out simulated τ")
     for axes in (top1, tau):
         axes.grid(alpha=0.3)
     tau.legend(fontsize=7)

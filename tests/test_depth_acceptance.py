@@ -1,5 +1,6 @@
 """Chain acceptance per depth with the head's own features vs the target's: the counting rule by
-hand, and the whole measurement against a per-anchor loop over the decoder's own draft steps."""
+hand, and the whole measurement against a per-anchor loop of KV-cached draft steps as the decoder
+runs them (tests/test_rollout.py's ``decode_steps``)."""
 
 from __future__ import annotations
 
@@ -44,11 +45,16 @@ def test_chain_counts_by_hand():
     assert summary["own_features"]["chain_tau"] == pytest.approx(1 + 0.8 + 0.8 + 0.4)
 
 
-def _draft_ids(head, outputs):
-    return head.draft_to_target(head.logits(outputs).argmax(-1))
+def _draft_ids(head, outputs, vocab=None):
+    """The decoder's drafted token: its argmax over the head's vocabulary, or over ``vocab`` (a
+    shortlist of target ids) for a head over the whole target vocabulary."""
+    logits = head.logits(outputs)
+    if vocab is not None:
+        return vocab[logits[..., vocab].argmax(-1)]
+    return head.draft_to_target(logits.argmax(-1))
 
 
-def _reference_counts(head, batch, depth, wanted, valid, fed_ok):
+def _reference_counts(head, batch, depth, wanted, valid, fed_ok, vocab):
     """Per anchor, a chain through the decoder's draft steps (KV cache, own features)."""
     features = head.initial_features(batch.hidden, batch.aux)
     length = batch.input_ids.shape[1]
@@ -57,9 +63,9 @@ def _reference_counts(head, batch, depth, wanted, valid, fed_ok):
     for a in range(length - 1):
         steps = min(depth, length - 1 - a)
         drafted = decode_steps(head, features, batch.input_ids, a, steps)
-        own_guesses = [_draft_ids(head, out)[0] for out in drafted]
+        own_guesses = [_draft_ids(head, out, vocab)[0] for out in drafted]
         target_guesses = [
-            _draft_ids(head, decode_steps(head, features, batch.input_ids, a + j, 1)[0])[0]
+            _draft_ids(head, decode_steps(head, features, batch.input_ids, a + j, 1)[0], vocab)[0]
             for j in range(steps)
         ]
         for counts, guesses in ((own, own_guesses), (target, target_guesses)):
@@ -74,14 +80,17 @@ def _reference_counts(head, batch, depth, wanted, valid, fed_ok):
     return own, target
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3_reduced"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle_shortlist", "eagle3_reduced"])
 def test_batch_counts_equal_a_chain_decoded_per_anchor(tiny_target, kind):
     depth, length = 3, 14
     torch.manual_seed(0)
     weights = target_weights(tiny_target)
     vocab_size = tiny_target.spec.vocab_size
-    if kind == "eagle":
+    vocab = None
+    if kind in ("eagle", "eagle_shortlist"):
         head = EagleHead(tiny_target.spec, weights)
+        if kind == "eagle_shortlist":  # a reduced training vocabulary: every third target id
+            vocab = torch.arange(0, vocab_size, 3)
     else:
         d2t, t2d = draft_vocab_from_counts(torch.arange(vocab_size).flip(0), vocab_size // 2)
         head = Eagle3Head(tiny_target.spec, weights, Eagle3Config(draft_vocab_size=vocab_size // 2), d2t, t2d)
@@ -90,7 +99,7 @@ def test_batch_counts_equal_a_chain_decoded_per_anchor(tiny_target, kind):
     hidden = torch.randn(1, length, tiny_target.spec.hidden_size, generator=generator, dtype=torch.float64)
     aux = (
         torch.randn(1, length, 3 * tiny_target.spec.hidden_size, generator=generator, dtype=torch.float64)
-        if kind != "eagle"
+        if kind == "eagle3_reduced"
         else None
     )
     input_ids = torch.randint(3, vocab_size, (1, length), generator=generator)
@@ -103,7 +112,7 @@ def test_batch_counts_equal_a_chain_decoded_per_anchor(tiny_target, kind):
     for p in range(length - 2):
         features = head.initial_features(hidden, aux)
         outputs = rollout(head, features, input_ids, RolloutConfig(steps=depth))
-        token = _draft_ids(head, outputs[p % depth][0, p])
+        token = _draft_ids(head, outputs[p % depth][0, p], vocab)
         if p == 4:
             token = torch.randint(3, vocab_size, (), generator=generator)
         wanted[p] = token
@@ -113,12 +122,12 @@ def test_batch_counts_equal_a_chain_decoded_per_anchor(tiny_target, kind):
     loss_mask = torch.ones(1, length, dtype=torch.long)
     loss_mask[0, :2] = 0  # the first two tokens are the prompt
     batch = FeatureBatch(input_ids, torch.ones_like(loss_mask), loss_mask, hidden, aux=aux, topk_ids=topk_ids)
-    own, target = batch_counts(head, batch, depth)
+    own, target = batch_counts(head, batch, depth, vocab)
 
     valid = torch.cat([loss_mask[0, 1:], torch.zeros(1, dtype=torch.long)]).bool()
     fed = torch.cat([input_ids[0, 2:], torch.zeros(2, dtype=torch.long)])
     fed_ok = fed == wanted
-    ref_own, ref_target = _reference_counts(head, batch, depth, wanted, valid, fed_ok)
+    ref_own, ref_target = _reference_counts(head, batch, depth, wanted, valid, fed_ok, vocab)
     assert own.attempts.tolist() == ref_own[0].tolist()
     assert own.accepted.tolist() == ref_own[1].tolist()
     assert target.attempts.tolist() == ref_target[0].tolist()

@@ -117,8 +117,8 @@ def test_doc_renders_from_snapshots_and_keeps_what_it_cannot_reread(results, tmp
     assert "(303 conversations, 88,435 tokens;" in text
     assert "| eagle | 300 | 1,105,999 | 0.400 / 0.300 / 0.250 / 0.200 | 1.600 | 0.25 0.35 |" in text
     # each suite gets its own table; the reference's row, then HASS against it, paired per prompt
-    assert text.count("| head | τ | α per depth | τ ÷ EAGLE-2 [95 % CI]") == 2
-    assert text.index("MT-bench, T=0:") < text.index("HumanEval, T=0:")
+    assert text.count("| head | τ | α per depth | τ ÷ EAGLE-2 [95% CI]") == 2
+    assert text.index("MT-bench, T=0 (1 prompts):") < text.index("HumanEval, T=0 (1 prompts):")
     assert "| eagle | 2.000 | 1.00 / 0.00 | 1 (reference) | – | 1.60× | 1/1 |" in text
     assert (
         "| hass | 4.000 | 1.00 / 0.00 | 2.000 [2.000, 2.000] | +2.000 [+2.000, +2.000] | 2.00× | 1/1 |"
@@ -255,3 +255,29 @@ def test_every_ablation_head_composes_with_the_shared_overrides(results, tmp_pat
         assert vocab == results.ABLATION_VOCAB
     hass = compose_train(tmp_path / "h", *results.ablation_overrides("hass_beta1", 300, tmp_path))
     assert hass.loss.rollout.step_weight_base == 1.0 and hass.loss.rollout.steps == 3
+
+
+def test_training_curves_join_a_resumed_runs_logs_and_drop_the_repeated_final_validation(results) -> None:
+    run = results.RESULTS / "train" / "eagle"
+    first = ["step,val/acc_1,val/sim_tau", "24,0.1,1.1", "49,0.2,1.2", "74,0.25,1.25"]  # killed after 74
+    resumed = [
+        "step,val/acc_1,val/sim_tau",
+        "74,0.26,1.26",
+        "99,0.3,1.3",
+        "100,0.3,1.3",
+    ]  # 100: the final one
+    for version, rows in ((0, first), (1, resumed)):
+        path = run / "csv" / f"version_{version}" / "metrics.csv"
+        path.parent.mkdir(parents=True)
+        path.write_text("\n".join(rows) + "\n")
+    assert results.val_curve(run) == [[24, 0.1, 1.1], [49, 0.2, 1.2], [74, 0.26, 1.26], [99, 0.3, 1.3]]
+
+
+def test_ablation_section_with_trained_heads_only(results, tmp_path: Path) -> None:
+    fake_ablation_outputs(results)
+    shutil.rmtree(results.RESULTS / "bench")
+    (results.RESULTS / results.DEPTH_JSON).unlink()
+    results.doc()
+    text = (tmp_path / "docs" / "results.md").read_text()
+    assert "Machine: not recorded (no bench, no depth run yet)." in text
+    assert "| eagle | 300 | 1,105,999 |" in text and "The mechanism" not in text

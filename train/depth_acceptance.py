@@ -52,7 +52,7 @@ from specdraft.train.rollout import RolloutConfig, rollout, shift_left
 log = logging.getLogger(__name__)
 
 DEFAULT_DEPTH = 4
-ARGMAX_CHUNK = 512  # positions per vocabulary-sized argmax (512 × 49k fp32 = 100 MB)
+ARGMAX_CHUNK = 128  # positions per vocabulary-sized argmax (4 steps × 128 × 49k fp32 = 100 MB)
 
 
 def shifted(x: Tensor, offset: int) -> Tensor:
@@ -193,7 +193,7 @@ def measure_run(run_dir: Path, checkpoint: Path | None, depth: int) -> dict[str,
     vocab = build_objective(cfg.loss, target, datamodule).draft_vocab
     own = target_counts = None
     for batch in tqdm(datamodule.val_dataloader(), desc=run_dir.name, unit="batch"):
-        batch = datamodule.features_for(batch, training=False)
+        batch = datamodule.features_for(batch.to(target.device), training=False)
         for name in ("hidden", "aux", "input_hidden"):
             value = getattr(batch, name)
             if value is not None:
@@ -201,6 +201,8 @@ def measure_run(run_dir: Path, checkpoint: Path | None, depth: int) -> dict[str,
         batch_own, batch_target = batch_counts(head, batch, depth, vocab)
         own = batch_own if own is None else own + batch_own
         target_counts = batch_target if target_counts is None else target_counts + batch_target
+    if own is None:
+        raise SystemExit(f"{run_dir}: its validation split ({cfg.datamodule.get('val_cache')}) has no batch")
     return {
         "run": run_dir.name,
         "checkpoint": str(checkpoint),
