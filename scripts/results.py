@@ -105,6 +105,8 @@ ABLATION = {
     "eagle3": ["experiment=eagle3"],
     "hass_eagle3": ["experiment=hass_eagle3"],
 }
+# the heads of the first (equal wall-clock) ablation, in its table's order
+WALLCLOCK_HEADS = ("medusa", "eagle", "hass_topk", "hass_align", "hass", "eagle3", "hass_eagle3")
 ABLATION_REFERENCE = "eagle"  # every τ difference is paired against this head's
 # Every head trains and drafts over the same 8,192 most frequent assistant tokens: the decoder's
 # default shortlist for EAGLE-1/2 heads, and EAGLE-3's own draft vocabulary (32k by default) cut
@@ -890,9 +892,15 @@ def wallclock_ablation_section() -> list[str] | None:
         "| run | training |",
         "|---|---|",
     ]
-    for name, summary in snapshot["training"].items():
-        lines.append(f"| {name} | {training_line(summary)} |")
-    methods = [m for m in report["results"]["T=0"] if m != "plain"]
+    for name in (name for name in WALLCLOCK_HEADS if name in snapshot["training"]):
+        lines.append(f"| {name} | {training_line(snapshot['training'][name])} |")
+    order = [
+        "medusa_tree",
+        "eagle_chain",
+        *(f"{name}_tree" for name in WALLCLOCK_HEADS[1:]),
+        "hf_prompt_lookup",
+    ]
+    methods = [m for m in order if m in report["results"]["T=0"]]
     lines += [
         "",
         HEADER + " speedup vs HF prompt lookup T=0 |",
