@@ -13,6 +13,9 @@ Stages (``--stages`` picks some):
 * ``bench``     — ONE ``specdraft-bench`` run over the ablation heads' final weights as the same
   EAGLE-2 dynamic tree and plain decoding, interleaved per question, at T=0 and T=1 on 40
   MT-bench first turns and 40 HumanEval problems (``--max-minutes``: a time box; it resumes);
+* ``sweep``     — the HASS loss-weight sweep as users run one offline: ONE Hydra multirun of HASS
+  heads on the ablation's data and budget (``--sweep KEY=V1,V2 …``, default ``SWEEP_GRID``;
+  ``--sweep-steps``), W&B logging offline, then ``specdraft-sweep-report``;
 * ``curve``     — every ``CURVE_EVERY``-th step's checkpoint of the quickstart runs in ``CURVE_RUNS``
   (256, 512 and 768 regenerated conversations), benched together at T=0: τ against training time,
   at three amounts of data;
@@ -51,8 +54,9 @@ from pathlib import Path
 import yaml
 
 from specdraft.data.atomic import write_bytes_atomic, write_json_atomic
-from specdraft.eval.bench import read_records
+from specdraft.eval.bench import machine_info, read_records
 from specdraft.eval.report import CONFIDENCE, paired_bootstrap, summarize
+from specdraft.train.sweep_report import plot as plot_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 LOG_DIR = Path(os.environ.get("SPECDRAFT_LOG_DIR", ROOT / "outputs"))
@@ -105,6 +109,11 @@ ABLATION = {
     "eagle3": ["experiment=eagle3"],
     "hass_eagle3": ["experiment=hass_eagle3"],
 }
+# The HASS loss-weight sweep (stage sweep): the Top-K weight w and β on a grid narrowed to a CPU
+# session (K = 10 and n = 3 as in conf/loss/hass.yaml); --sweep key=v1,v2 … replaces it.
+SWEEP_NAME = "hass-weights"
+SWEEP_GRID = {"loss.weights.topk": "0.5,1.0,2.0", "loss.rollout.step_weight_base": "0.5,1.0"}
+SWEEP_SNAPSHOT = "sweep.json"
 # the heads of the first (equal wall-clock) ablation, in its table's order
 WALLCLOCK_HEADS = ("medusa", "eagle", "hass_topk", "hass_align", "hass", "eagle3", "hass_eagle3")
 ABLATION_REFERENCE = "eagle"  # every τ difference is paired against this head's
@@ -315,6 +324,31 @@ def depth(depth_steps: int = DEPTH_STEPS) -> None:
     partial.unlink()
 
 
+def sweep(steps: int, features: Path | None, grid: dict[str, str]) -> None:
+    """The HASS loss-weight sweep as users run one offline: ONE Hydra multirun of HASS heads on the
+    ablation's data, batches, vocabulary and step count (``grid``: key -> comma-separated values;
+    the other weights stay at conf/loss/hass.yaml's), logged to W&B offline and CSV; then
+    ``specdraft-sweep-report`` over its run dirs. Finished points are skipped, killed ones resume."""
+    features = features or quickstart_features()
+    shared = [o for o in ablation_overrides("hass", steps, features) if not o.startswith("run_name=")]
+    # The run dirs are named after the swept values only.
+    excluded = ["experiment", "logger", "logger.wandb.mode", "sweep_name", "paths.log_dir"]
+    excluded += [o.split("=")[0] for o in shared]
+    command(
+        "specdraft-train",
+        "-m",
+        *shared,
+        *(f"{key}={values}" for key, values in grid.items()),
+        "logger=wandb",
+        "logger.wandb.mode=offline",
+        f"sweep_name={SWEEP_NAME}",
+        f"hydra.job.config.override_dirname.exclude_keys=[{','.join(sorted(set(excluded)))}]",
+    )
+    sweep_dir = RESULTS / "sweeps" / SWEEP_NAME
+    command("specdraft-sweep-report", str(sweep_dir), f"--out={sweep_dir / 'report'}")
+    write_json_atomic(sweep_dir / "report" / "machine.json", machine_info())
+
+
 def decoder(checkpoint: str | None, per_category: int) -> None:
     if checkpoint is None:
         raise SystemExit("the decoder stage needs --decoder-checkpoint (a trained EAGLE head)")
@@ -375,6 +409,7 @@ def doc(decoder_provenance: str | None = None) -> None:
     for title, render, how in (
         (QUICKSTART_TITLE, lambda: quickstart_section(previous.get(QUICKSTART_TITLE, [])), "make quickstart"),
         (ABLATION_TITLE, ablation_section, "python scripts/results.py --stages ablation depth bench doc"),
+        (SWEEP_TITLE, sweep_section, "python scripts/results.py --stages sweep doc"),
         (WALLCLOCK_ABLATION_TITLE, wallclock_ablation_section, "(superseded: not re-run)"),
         (CURVE_TITLE, curve_section, "python scripts/results.py --stages curve doc"),
         (
@@ -432,6 +467,9 @@ def snapshot_runs(decoder_provenance: str | None = None) -> None:
     snapshot = ablation_snapshot()
     if snapshot is not None:
         write_json_atomic(SNAPSHOTS / ABLATION_SNAPSHOT, snapshot)
+    snapshot = sweep_snapshot()
+    if snapshot is not None:
+        write_json_atomic(SNAPSHOTS / SWEEP_SNAPSHOT, snapshot)
     report = read_json(RESULTS / "bench" / "curve" / "report.json")
     if report is not None:
         runs = {
@@ -510,6 +548,35 @@ def ablation_snapshot() -> dict | None:
         },
         "results": results,
         "depth": depth,
+    }
+
+
+def sweep_snapshot() -> dict | None:
+    """The sweep report's table, each point's final held-out numbers, and how the points were trained."""
+    report_dir = RESULTS / "sweeps" / SWEEP_NAME / "report"
+    report = read_json(report_dir / "runs.json")
+    if report is None:
+        return None
+    points, steps = [], None
+    for row in report["runs"]:
+        run_dir = Path(row["run"])
+        summary = read_json(run_dir / "summary.json") or {}
+        config = yaml.safe_load((run_dir / "run_config.yaml").read_text())
+        steps = config["trainer"]["max_steps"]  # the same for every point
+        points.append(
+            {
+                "values": {key: row[key] for key in report["swept"]},
+                "best_sim_tau": row[report["metric"]],
+                "final_val": summary.get("final_val") or {},
+                "tokens_seen": summary.get("tokens_seen"),
+                "loss": {"weights": config["loss"]["weights"], "rollout": config["loss"]["rollout"]},
+            }
+        )
+    return {
+        "machine": read_json(report_dir / "machine.json"),
+        "swept": report["swept"],
+        "steps": steps,
+        "points": points,
     }
 
 
@@ -661,6 +728,7 @@ HEADER = "| method | τ T=0 | α per depth T=0 | speedup T=0 | identical to plai
 SEPARATOR = "|---|---|---|---|---|---|---|"
 QUICKSTART_TITLE = "## Quickstart (`make quickstart`)"
 ABLATION_TITLE = "## Ablation: the same data, the same number of training tokens"
+SWEEP_TITLE = "## HASS loss-weight sweep (Hydra multirun, W&B offline)"
 WALLCLOCK_ABLATION_TITLE = "## Earlier ablation: the same data, the same wall-clock training time"
 CURVE_TITLE = "## τ vs training time and data"
 DECODER_TITLE = "## The decoder's own speed (`specdraft-bench methods=decoder`)"
@@ -876,6 +944,39 @@ def suite_prompts(methods: dict[str, dict]) -> int:
 
 def rates(values: list[float | None]) -> str:
     return " / ".join("–" if v is None else f"{v:.3f}" for v in values)
+
+
+def sweep_section() -> list[str] | None:
+    snapshot = read_json(SNAPSHOTS / SWEEP_SNAPSHOT)
+    if snapshot is None:
+        return None
+    swept, points = snapshot["swept"], snapshot["points"]
+    machine = machine_line(snapshot) if snapshot.get("machine") else "not recorded"
+    lines = [
+        f"Machine: {machine}. ONE Hydra multirun (`python scripts/results.py --stages sweep`), W&B "
+        "logging offline (no network here: W&B's own sweep controller cannot run, see the README), "
+        f"then `specdraft-sweep-report`. Every point: a HASS head trained as in the ablation above "
+        f"({snapshot['steps']} steps, same batches and vocabulary), the other weights as in "
+        "conf/loss/hass.yaml. Best and final held-out simulated τ; held-out acc_1..4 of the final weights.",
+        "",
+        "| " + " | ".join(swept) + " | best simulated τ | final simulated τ | final acc_1..4 |",
+        "|" + "---|" * (len(swept) + 3),
+    ]
+    for point in points:
+        final = point["final_val"]
+        accs = " / ".join(f"{final[key]:.3f}" for key in sorted(final) if key.startswith("val/acc_"))
+        lines.append(
+            "| "
+            + " | ".join(str(point["values"][key]) for key in swept)
+            + f" | {point['best_sim_tau']:.3f} | {final.get('val/sim_tau', float('nan')):.3f} | {accs} |"
+        )
+    lines.append("")
+    runs = [{"config": point["values"], "metric": point["best_sim_tau"]} for point in points]
+    for parameter in swept:
+        name = f"results_sweep_{parameter.replace('.', '_')}.png"
+        plot_sweep(runs, parameter, "best held-out simulated τ", DOCS / name)
+        lines += [f"![best held-out simulated τ against {parameter}]({name})", ""]
+    return lines
 
 
 def wallclock_ablation_section() -> list[str] | None:
@@ -1211,6 +1312,15 @@ def plot_curve(curves: dict[str, list[tuple[float, float]]]) -> None:
     plt.close(figure)
 
 
+def sweep_grid(parser: argparse.ArgumentParser, given: list[str] | None) -> dict[str, str]:
+    if not given:
+        return SWEEP_GRID
+    grid = dict(item.split("=", 1) for item in given if "=" in item)
+    if len(grid) != len(given) or not all(grid.values()):
+        parser.error(f"--sweep takes KEY=V1,V2 … items, got {given}")
+    return grid
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -1222,6 +1332,10 @@ def main() -> None:
     )
     parser.add_argument("--per-category", type=int, default=2, help="MT-bench questions per category")
     parser.add_argument("--max-minutes", type=float, help="a time box for the ablation's bench (it resumes)")
+    parser.add_argument(
+        "--sweep", nargs="+", metavar="KEY=V1,V2", help="the sweep's grid (default: SWEEP_GRID)"
+    )
+    parser.add_argument("--sweep-steps", type=int, help="training steps per sweep point (default: --steps)")
     parser.add_argument("--decoder-checkpoint", help="the head the decoder stage benches")
     parser.add_argument("--decoder-provenance", help="how that head was trained (kept in the snapshot)")
     parser.add_argument("--train-speed", nargs="+", type=Path, help="bench_train_step.py JSON, oldest first")
@@ -1238,6 +1352,8 @@ def main() -> None:
             bench(args.max_minutes)
         elif stage == "depth":
             depth()
+        elif stage == "sweep":
+            sweep(args.sweep_steps or args.steps, args.features, sweep_grid(parser, args.sweep))
         elif stage == "curve":
             curve(args.per_category)
         elif stage == "decoder":

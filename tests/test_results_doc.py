@@ -281,3 +281,29 @@ def test_ablation_section_with_trained_heads_only(results, tmp_path: Path) -> No
     text = (tmp_path / "docs" / "results.md").read_text()
     assert "Machine: not recorded (no bench, no depth run yet)." in text
     assert "| eagle | 300 | 1,105,999 |" in text and "The mechanism" not in text
+
+
+def test_sweep_section_from_the_sweep_report(results, tmp_path: Path) -> None:
+    sweep = results.RESULTS / "sweeps" / results.SWEEP_NAME
+    rows = []
+    for topk, best in ((0.5, 1.41), (2.0, 1.45)):
+        run = sweep / f"loss.weights.topk={topk}"
+        final = {"val/acc_1": 0.35, "val/acc_2": 0.27, "val/sim_tau": best - 0.01}
+        write(run / "summary.json", {"final_val": final, "tokens_seen": 1105999})
+        loss = {"weights": {"topk": topk, "topk_k": 10}, "rollout": {"steps": 3, "step_weight_base": 0.5}}
+        (run / "run_config.yaml").write_text(json.dumps({"trainer": {"max_steps": 300}, "loss": loss}))
+        rows.append({"run": str(run), "loss.weights.topk": topk, "val/sim_tau": best})
+    report = {"metric": "val/sim_tau", "swept": ["loss.weights.topk"], "runs": rows[::-1]}
+    write(sweep / "report" / "runs.json", report)
+    write(sweep / "report" / "machine.json", MACHINE)
+    results.doc()
+    text = (tmp_path / "docs" / "results.md").read_text()
+    assert (
+        "Machine: 2026-11-24, AMD EPYC (avx2)" in text and "(300 steps, same batches and vocabulary)" in text
+    )
+    assert "| loss.weights.topk | best simulated τ | final simulated τ | final acc_1..4 |" in text
+    assert "| 2.0 | 1.450 | 1.440 | 0.350 / 0.270 |" in text
+    assert (tmp_path / "docs" / "results_sweep_loss_weights_topk.png").read_bytes()[:4] == b"\x89PNG"
+    shutil.rmtree(results.LOG_DIR)  # the snapshot alone renders the same section
+    results.doc()
+    assert (tmp_path / "docs" / "results.md").read_text() == text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -89,6 +90,11 @@ def test_multirun_over_two_loss_weights_gives_a_report(tmp_path):
     for plot in report["plots"]:
         assert Path(plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "report" / "runs.json").read_text())["metric"] == "val/sim_tau"
+    # runs.csv reads back: the run dir names hold commas, so they are quoted
+    with (tmp_path / "report" / "runs.csv").open(newline="") as handle:
+        table = list(csv.DictReader(handle))
+    assert sorted(row["run"] for row in table) == sorted(str(sweep / run) for run in runs)
+    assert {row["loss.weights.topk"] for row in table} == {"0.0", "1.0"}
     # Without summary.json (a killed run), the metric comes from the CSV logs.
     for run in (p for p in sweep.iterdir() if p.is_dir()):
         (run / "summary.json").unlink()

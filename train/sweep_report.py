@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import math
 from collections import defaultdict
@@ -158,14 +159,14 @@ def write_report(roots: list[Path], out_dir: Path, metric: str = DEFAULT_METRIC)
         {"run": run["run"], **{key: run["config"].get(key) for key in swept}, metric: run["metric"]}
         for run in sorted(runs, key=lambda r: -math.inf if r["metric"] is None else -r["metric"])
     ]
-    lines = [",".join(["run", *swept, metric])]
-    lines += [
-        ",".join(
-            json.dumps(row[k]) if not isinstance(row[k], str) else row[k] for k in ["run", *swept, metric]
+    table = io.StringIO()
+    writer = csv.writer(table, lineterminator="\n")  # quotes Hydra's comma-joined run dir names
+    writer.writerow(["run", *swept, metric])
+    for row in rows:
+        writer.writerow(
+            [json.dumps(row[k]) if not isinstance(row[k], str) else row[k] for k in ["run", *swept, metric]]
         )
-        for row in rows
-    ]
-    write_bytes_atomic(out_dir / "runs.csv", ("\n".join(lines) + "\n").encode())
+    write_bytes_atomic(out_dir / "runs.csv", table.getvalue().encode())
     plots = []
     for parameter in swept:
         path = out_dir / f"{metric.replace('/', '_')}_vs_{parameter}.png"
