@@ -124,6 +124,7 @@ ABLATION_REFERENCE = "eagle"  # every τ difference is paired against this head'
 ABLATION_VOCAB = 8192
 ABLATION_BATCH_TOKENS = 4096  # the quickstart's batch: the same batches, in the same order, for all
 ABLATION_WARMUP = 20
+ABLATION_PRECISION = "32-true"
 ABLATION_VAL_EVERY = 25  # steps between held-out validations: the acc_1 curve
 ABLATION_CHECKPOINT_EVERY = 50  # last.ckpt: what a killed run resumes from, and the benched weights
 ABLATION_BENCH = "ablation-tokens"  # its bench run (RESULTS/bench/<this>)
@@ -222,6 +223,9 @@ def ablation_overrides(name: str, steps: int, features: Path) -> list[str]:
         f"datamodule.max_batch_tokens={ABLATION_BATCH_TOKENS}",
         f"trainer.max_steps={steps}",
         "trainer.max_time=null",
+        # One precision for every head on every machine (`auto` would pick bf16-mixed on an AMX
+        # CPU or a GPU, so an ablation resumed elsewhere would mix precisions).
+        f"trainer.precision={ABLATION_PRECISION}",
         f"trainer.val_check_interval={ABLATION_VAL_EVERY}",
         "trainer.limit_val_batches=1.0",
         f"scheduler.warmup_steps={ABLATION_WARMUP}",
@@ -541,6 +545,7 @@ def ablation_snapshot() -> dict | None:
         "training": {
             name: {
                 **(training_summary(RESULTS / "train" / name) or {}),
+                "precision": (read_json(RESULTS / "train" / name / "summary.json") or {}).get("precision"),
                 "curve": val_curve(RESULTS / "train" / name),
             }
             for name in ABLATION
@@ -862,9 +867,9 @@ def ablation_section() -> list[str] | None:
         "",
         f"![held-out acc_1 and simulated τ during training]({ABLATION_CURVE_PNG})",
         "",
-        "| head | steps | tokens seen | held-out acc_1..4 (final) | simulated τ (final) "
+        "| head | steps | tokens seen | precision | held-out acc_1..4 (final) | simulated τ (final) "
         f"| held-out acc_1 every {CURVE_COLUMN_EVERY} steps |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in (name for name in ABLATION if name in snapshot["training"]):
         run = snapshot["training"][name]
@@ -874,8 +879,8 @@ def ablation_section() -> list[str] | None:
             f"{acc:.2f}" for step, acc, _ in run["curve"] if (step + 1) % CURVE_COLUMN_EVERY == 0
         )
         lines.append(
-            f"| {name} | {run['global_step']} | {run['tokens_seen']:,} | {accs} | "
-            f"{final.get('val/sim_tau', float('nan')):.3f} | {curve} |"
+            f"| {name} | {run['global_step']} | {run['tokens_seen']:,} | {run.get('precision') or '–'} "
+            f"| {accs} | {final.get('val/sim_tau', float('nan')):.3f} | {curve} |"
         )
     for temperature, suites in snapshot["results"].items():
         for suite in (name for name in SUITES if name in suites):

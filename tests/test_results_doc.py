@@ -81,7 +81,10 @@ def fake_ablation_outputs(results) -> None:
     for name in ("eagle", "hass"):
         run = results.RESULTS / "train" / name
         summary = {"global_step": 300, "tokens_seen": 1105999, "fit_seconds": 600.0, "best_sim_tau": 1.61}
-        write(run / "summary.json", {**summary, "final_val": final, "best_checkpoint": "/x.ckpt"})
+        write(
+            run / "summary.json",
+            {**summary, "final_val": final, "precision": "32-true", "best_checkpoint": "/x.ckpt"},
+        )
         (run / "run_config.yaml").write_text(f"datamodule:\n  train_cache: {features / 'train'}\n")
         metrics = run / "csv" / "version_0" / "metrics.csv"
         metrics.parent.mkdir(parents=True)
@@ -115,7 +118,7 @@ def test_doc_renders_from_snapshots_and_keeps_what_it_cannot_reread(results, tmp
     assert snapshot["prompts"] == {"MT-bench": 1, "HumanEval": 1}
     assert snapshot["training"]["eagle"]["curve"] == [[49, 0.25, 1.3], [99, 0.35, 1.5], [124, 0.36, 1.5]]
     assert "(303 conversations, 88,435 tokens;" in text
-    assert "| eagle | 300 | 1,105,999 | 0.400 / 0.300 / 0.250 / 0.200 | 1.600 | 0.25 0.35 |" in text
+    assert "| eagle | 300 | 1,105,999 | 32-true | 0.400 / 0.300 / 0.250 / 0.200 | 1.600 | 0.25 0.35 |" in text
     # each suite gets its own table; the reference's row, then HASS against it, paired per prompt
     assert text.count("| head | τ | α per depth | τ ÷ EAGLE-2 [95% CI]") == 2
     assert text.index("MT-bench, T=0 (1 prompts):") < text.index("HumanEval, T=0 (1 prompts):")
@@ -249,6 +252,7 @@ def test_every_ablation_head_composes_with_the_shared_overrides(results, tmp_pat
         cfg = compose_train(tmp_path / name, *results.ablation_overrides(name, 300, tmp_path / "features"))
         assert cfg.trainer.max_steps == 300 and cfg.scheduler.total_steps == 300
         assert cfg.datamodule.max_batch_tokens == results.ABLATION_BATCH_TOKENS
+        assert cfg.trainer.precision == results.ABLATION_PRECISION  # not `auto`: the same on every machine
         own_vocab = cfg.head.kind == "eagle3"
         assert (name in results.OWN_VOCAB) == own_vocab  # EAGLE-3 heads draft over their own vocabulary
         vocab = cfg.head.config.draft_vocab_size if own_vocab else cfg.loss.draft_vocab_size
