@@ -507,6 +507,10 @@ def ablation_snapshot() -> dict | None:
     report = read_json(out_dir / "report.json") or {}
     records = read_records(out_dir) if report else []
     depth = read_json(RESULTS / DEPTH_JSON)
+    for run in (depth or {}).get("runs", {}).values():  # no local paths in a committed snapshot
+        for key in ("checkpoint", "val_cache"):
+            if run.get(key):
+                run[key] = Path(run[key]).name
     reference = f"{ABLATION_REFERENCE}_tree"
     results: dict = {}
     for temperature in sorted({r["temperature"] for r in records}):

@@ -97,6 +97,7 @@ def fake_ablation_outputs(results) -> None:
         ]
         metrics.write_text("\n".join(rows) + "\n")
     depth = {
+        "checkpoint": str(results.RESULTS / "train" / "eagle" / "checkpoints" / "last.ckpt"),
         "own_features": {"acceptance_per_depth": [0.36, 0.35, 0.27, None], "chain_tau": 1.55},
         "target_features": {"acceptance_per_depth": [0.36, 0.45, 0.38, None], "chain_tau": 1.62},
         "gap_per_depth": [0.0, 0.1, 0.11, None],
@@ -116,6 +117,7 @@ def test_doc_renders_from_snapshots_and_keeps_what_it_cannot_reread(results, tmp
     snapshot = json.loads((docs / "results" / results.ABLATION_SNAPSHOT).read_text())
     assert snapshot["data"] == {"num_samples": 303, "num_tokens": 88435}
     assert snapshot["prompts"] == {"MT-bench": 1, "HumanEval": 1}
+    assert snapshot["depth"]["runs"]["eagle"]["checkpoint"] == "last.ckpt"  # no local paths committed
     assert snapshot["training"]["eagle"]["curve"] == [[49, 0.25, 1.3], [99, 0.35, 1.5], [124, 0.36, 1.5]]
     assert "(303 conversations, 88,435 tokens;" in text
     assert "| eagle | 300 | 1,105,999 | 32-true | 0.400 / 0.300 / 0.250 / 0.200 | 1.600 | 0.25 0.35 |" in text
