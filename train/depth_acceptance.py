@@ -121,9 +121,8 @@ def target_argmax(head: FeatureHead, batch: FeatureBatch, b: Tensor, q: Tensor) 
     hidden = batch.hidden[b, q]
     ids = torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device)
     for first in range(0, hidden.shape[0], ARGMAX_CHUNK):
-        ids[first : first + ARGMAX_CHUNK] = head.target_logits(hidden[first : first + ARGMAX_CHUNK]).argmax(
-            -1
-        )
+        chunk = hidden[first : first + ARGMAX_CHUNK]
+        ids[first : first + ARGMAX_CHUNK] = head.target_logits(chunk).argmax(-1)
     return ids
 
 
@@ -151,6 +150,8 @@ def batch_counts(
 
 
 def summarise(own: ChainCounts, target: ChainCounts) -> dict[str, Any]:
+    """Per feature source: acceptance per depth, its counts and the chain τ; and the gap per depth
+    (target-feature acceptance − own-feature acceptance)."""
     result: dict[str, Any] = {}
     for name, counts in (("own_features", own), ("target_features", target)):
         acceptance = counts.acceptance()
