@@ -7,6 +7,7 @@ specdraft-regen backend=openai openai.base_url=http://localhost:8000/v1 openai.m
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -16,7 +17,17 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdraft.data.conversations import split_conversations
 from specdraft.data.hardware import start
-from specdraft.data.regen import GenerationSettings, OpenAIResponder, TargetResponder, regenerate
+from specdraft.data.regen import (
+    AutoBatch,
+    GenerationSettings,
+    OpenAIResponder,
+    TargetResponder,
+    regenerate,
+    resolve_batch_size,
+    resolve_chunk_size,
+)
+
+log = logging.getLogger(__name__)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="regen")
@@ -24,8 +35,17 @@ def main(cfg: DictConfig) -> None:
     start("specdraft-regen", cfg.threads, cfg.target)
     settings = GenerationSettings(**cfg.generation)
     if cfg.backend == "target":
-        responder = TargetResponder(instantiate(cfg.target), settings, cfg.batch_size, cfg.max_prompt_tokens)
+        target = instantiate(cfg.target)
+        rules = AutoBatch(**cfg.auto)
+        batch_size = resolve_batch_size(
+            cfg.batch_size, target.spec, target.device, cfg.max_prompt_tokens, rules
+        )
+        chunk_size = resolve_chunk_size(cfg.chunk_size, batch_size, rules)
+        log.info("regen: %d rows per batch (batch_size %s), %d conversations per chunk (chunk_size %s)",
+                 batch_size, cfg.batch_size, chunk_size, cfg.chunk_size)  # fmt: skip
+        responder = TargetResponder(target, settings, batch_size, cfg.max_prompt_tokens)
     elif cfg.backend == "openai":
+        chunk_size = resolve_chunk_size(cfg.chunk_size, cfg.openai.concurrency, AutoBatch(**cfg.auto))
         api_key = os.environ.get(cfg.openai.api_key_env) if cfg.openai.api_key_env else None
         responder = OpenAIResponder(
             cfg.openai.base_url,
@@ -58,7 +78,7 @@ def main(cfg: DictConfig) -> None:
         cfg.out_path,
         settings,
         description,
-        cfg.chunk_size,
+        chunk_size,
         cfg.progress,
         cfg.max_turns,
     )

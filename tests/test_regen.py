@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -7,7 +8,16 @@ import pytest
 import torch
 
 from specdraft.data.conversations import Conversation, Message, read_jsonl
-from specdraft.data.regen import GenerationSettings, OpenAIResponder, TargetResponder, regenerate
+from specdraft.data.regen import (
+    AutoBatch,
+    GenerationSettings,
+    OpenAIResponder,
+    TargetResponder,
+    regenerate,
+    resolve_batch_size,
+    resolve_chunk_size,
+    row_bytes,
+)
 from specdraft.data.tiny import tiny_random_target
 
 
@@ -230,3 +240,34 @@ def test_max_turns_answers_only_the_first_turns_and_is_part_of_the_resume_key(tm
     assert report.turns_answered == len(records) and all(len(h) == 1 for h in responder.histories)
     with pytest.raises(ValueError, match="max_turns"):
         run(RecordingResponder(), tmp_path / "out.jsonl", max_turns=2)
+
+
+RULES = AutoBatch(cpu_rows=32, gpu_memory_fraction=0.5, max_rows=1024, chunk_batches=4, min_chunk=64)
+
+
+def test_auto_batch_size_follows_the_gpus_free_memory_and_the_rows_size():
+    """SmolLM2 in bf16 at 768 prompt tokens: 2 (K, V) × 30 layers × 3 KV heads × 64 + 2 × 1536
+    intermediate + 768 mask columns = 15,360 values = 30,720 bytes per position, × 768."""
+    spec = tiny_random_target(seed=0).spec
+    smollm2 = dataclasses.replace(
+        spec, num_layers=30, num_kv_heads=3, head_dim=64, intermediate_size=1536, dtype="bfloat16"
+    )
+    assert row_bytes(smollm2, 768) == 30_720 * 768
+    cuda = torch.device("cuda")
+    rows = resolve_batch_size("auto", smollm2, cuda, 768, RULES, free_bytes=10 * 2**30)
+    assert rows == int(0.5 * 10 * 2**30) // (30_720 * 768) == 227
+    assert resolve_batch_size("auto", smollm2, cuda, 768, RULES, free_bytes=80 * 2**30) == 1024  # max_rows
+    assert resolve_batch_size("auto", smollm2, cuda, 768, RULES, free_bytes=1) == 1
+    assert resolve_batch_size("auto", smollm2, torch.device("cpu"), 768, RULES) == 32
+    assert resolve_batch_size(7, smollm2, cuda, 768, RULES) == 7  # given: as given
+    with pytest.raises(ValueError, match="batch_size must be >= 1 or 'auto', got 0"):
+        resolve_batch_size(0, smollm2, cuda, 768, RULES)
+
+
+def test_auto_chunk_size_holds_a_few_batches():
+    """Rows are refilled within a chunk only: a chunk smaller than the batch would leave rows idle."""
+    assert resolve_chunk_size("auto", 256, RULES) == 1024
+    assert resolve_chunk_size("auto", 8, RULES) == 64  # min_chunk
+    assert resolve_chunk_size(10, 256, RULES) == 10
+    with pytest.raises(ValueError, match="chunk_size must be >= 1 or 'auto'"):
+        resolve_chunk_size(-1, 256, RULES)

@@ -39,7 +39,7 @@ from specdraft.data.conversations import Conversation, split_conversations
 from specdraft.data.features import pad_token_id
 from specdraft.data.generate import greedy_generate
 from specdraft.data.hardware import resolve_precision
-from specdraft.data.regen import GenerationSettings, TargetResponder
+from specdraft.data.regen import AutoBatch, GenerationSettings, TargetResponder, resolve_batch_size
 from specdraft.data.target import Target
 from specdraft.train.cli import build_objective, build_training_head, features_for_objective
 from specdraft.train.module import DraftHeadModule
@@ -374,7 +374,8 @@ def _probe_regen(
     """(rows, prefill seconds per prompt, seconds per decoding step of ``rows`` rows, answered
     fraction, mean prompt tokens): one batch of real prompts generating 1 + ``regen_new_tokens``
     tokens, every decoding step timed apart from the prefill before it."""
-    rows = int(regen_cfg.batch_size)
+    rules, max_prompt_tokens = AutoBatch(**regen_cfg.auto), regen_cfg.max_prompt_tokens
+    rows = resolve_batch_size(regen_cfg.batch_size, target.spec, target.device, max_prompt_tokens, rules)
     generation = GenerationSettings(**regen_cfg.generation)
     responder = TargetResponder(target, generation, rows, regen_cfg.max_prompt_tokens)
     candidates = conversations[: 4 * rows]
