@@ -7,10 +7,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
 
+import lightning as L
 import pytest
 import torch
 from conftest import compose_train
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 from specdraft.data.features import TokenBatch, extract_features
 from specdraft.data.hardware import resolve_precision
@@ -214,3 +218,25 @@ def test_a_batch_on_another_device_than_the_head_is_one_clear_error(tiny_target)
     batch.hidden = batch.hidden.to("meta")
     with pytest.raises(RuntimeError, match="batch field 'hidden' is on meta but the head is on cpu"):
         module.training_step(batch, 0)
+
+
+def test_fsdp_gradients_are_clipped_by_norm_through_the_fsdp_module(tiny_target):
+    """Lightning raises for clipping FSDP gradients by norm, the trainer's default (seen on an
+    H100: `trainer=fsdp` failed at its first step); the module clips through FSDP's own
+    clip_grad_norm_ (a collective over the shards) and leaves every other case to Lightning."""
+    objective = DraftObjective(LossWeights(feature=1.0), RolloutConfig())
+    module = DraftHeadModule(
+        EagleHead(tiny_target.spec, target_weights(tiny_target)), objective, torch.optim.AdamW
+    )
+    optimizer = torch.optim.AdamW(module.parameters())
+    fsdp = mock.create_autospec(FullyShardedDataParallel, instance=True)
+    module._trainer = SimpleNamespace(model=fsdp)
+    with mock.patch.object(L.LightningModule, "configure_gradient_clipping") as lightning:
+        module.configure_gradient_clipping(optimizer, 0.5, None)
+        module.configure_gradient_clipping(optimizer, 0.5, "norm")
+        assert fsdp.clip_grad_norm_.call_args_list == [mock.call(0.5), mock.call(0.5)]
+        lightning.assert_not_called()
+        module.configure_gradient_clipping(optimizer, 0.5, "value")  # by value: Lightning's own
+        module._trainer = SimpleNamespace(model=module)  # not FSDP: Lightning's own
+        module.configure_gradient_clipping(optimizer, 0.5, None)
+        assert lightning.call_count == 2 and fsdp.clip_grad_norm_.call_count == 2

@@ -14,6 +14,7 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor, nn
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 from specdraft.data.features import FeatureBatch
 from specdraft.heads.registry import CHECKPOINT_KEY
@@ -123,6 +124,22 @@ class DraftHeadModule(L.LightningModule):
             return optimizer
         scheduler = self.scheduler_factory(optimizer=optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Under FSDP each rank holds shards of the gradients, so their norm is a collective that
+        only the FSDP module computes; Lightning clips FSDP gradients by value only (and raises
+        for the trainer's default, by norm), so clip by norm through the wrapped module."""
+        wrapped = self._trainer.model if self._trainer is not None else None
+        by_norm = gradient_clip_algorithm in (None, "norm")
+        if gradient_clip_val and by_norm and isinstance(wrapped, FullyShardedDataParallel):
+            wrapped.clip_grad_norm_(gradient_clip_val)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[CHECKPOINT_KEY] = {**self.head_record, "tokens_seen": self.tokens_seen}
