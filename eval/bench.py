@@ -219,7 +219,7 @@ def run_benchmark(
             box["units"] += 1
             write_json_atomic(out_dir / TIME_BOX, box)
     report = {
-        "machine": machine_info(),
+        "machine": machine_info(target.device),
         "config": config,
         "methods": {m.name: {"type": m.type, "lossless": m.lossless, **m.details} for m in methods},
         "results": summarize(read_records(out_dir)),
@@ -231,14 +231,20 @@ def run_benchmark(
     return report
 
 
-def machine_info() -> dict[str, Any]:
-    return {
+def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
+    """The machine a measurement ran on: the host CPU (its model and the flags that decide bf16),
+    and the accelerator when ``device`` is one (a GPU's numbers also depend on the host, which
+    launches every kernel)."""
+    info = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
-        "hardware": detect_hardware().record(),  # the CPU model and the flags that decide bf16
+        "hardware": detect_hardware().record(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "load_average_1m": os.getloadavg()[0],
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    if torch.device(device).type != "cpu":
+        info["accelerator"] = detect_hardware(device).record()
+    return info

@@ -15,7 +15,7 @@ from omegaconf import open_dict
 
 from specdraft.data.target import target_weights
 from specdraft.data.tiny import tiny_random_target
-from specdraft.eval.bench import RECORDS, BenchDirError
+from specdraft.eval.bench import RECORDS, BenchDirError, machine_info
 from specdraft.eval.cli import format_table, run
 from specdraft.eval.load import load_head
 from specdraft.eval.prompts import Question, interleave, read_spec_bench
@@ -332,3 +332,14 @@ def test_bench_medusa_methods_label_typical_acceptance_lossy(tmp_path):
     assert greedy["medusa_tree"]["lossless"]["exact_turns"] == 3
     assert greedy["medusa_typical"]["lossless"]["exact_turns"] == 3  # T=0: typical falls back to greedy
     assert report["results"]["T=1"]["medusa_tree"]["overall"]["tau"] >= 1.0
+
+
+def test_the_machine_record_names_the_gpu_beside_its_host(monkeypatch):
+    """A GPU run's report once recorded only its host CPU: the GPU's name is what its numbers
+    are about, and the host (which launches every kernel) stays beside it."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    info = machine_info("cuda")
+    assert info["accelerator"]["name"] == "NVIDIA H100 80GB HBM3"
+    assert info["accelerator"]["device_type"] == "cuda" and info["hardware"]["device_type"] == "cpu"
+    assert "accelerator" not in machine_info("cpu")
