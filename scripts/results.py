@@ -56,6 +56,7 @@ import yaml
 from specdraft.data.atomic import write_bytes_atomic, write_json_atomic
 from specdraft.eval.bench import machine_info, read_records
 from specdraft.eval.report import CONFIDENCE, paired_bootstrap, summarize
+from specdraft.train.budget import clock
 from specdraft.train.sweep_report import plot as plot_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -421,6 +422,7 @@ def doc(decoder_provenance: str | None = None) -> None:
             decoder_section,
             "python scripts/results.py --stages decoder doc --decoder-checkpoint <head>",
         ),
+        (GPU_TITLE, gpu_section, "a GPU session: see docs/results/gpu_h100.json"),
         (
             TRAIN_SPEED_TITLE,
             train_speed_section,
@@ -679,8 +681,10 @@ def machine_line(report: dict) -> str:
     processor = machine["processor"]
     if hardware:
         processor = f"{hardware['name']} ({', '.join(hardware['cpu_flags'])})"
+    accelerator = machine.get("accelerator")  # GPU runs record the GPU beside its host
+    on = f"{accelerator['name']} on a host of " if accelerator else ""
     return (
-        f"{machine['time'][:10]}, {processor} × {machine['cpu_count']} cores "
+        f"{machine['time'][:10]}, {on}{processor} × {machine['cpu_count']} cores "
         f"({machine['threads']} torch threads), torch {machine['torch']}, {machine['platform']}"
     )
 
@@ -742,6 +746,7 @@ WALLCLOCK_ABLATION_TITLE = "## Earlier ablation: the same data, the same wall-cl
 CURVE_TITLE = "## τ vs training time and data"
 DECODER_TITLE = "## The decoder's own speed (`specdraft-bench methods=decoder`)"
 TRAIN_SPEED_TITLE = "## Training speed per head kind (`scripts/bench_train_step.py`)"
+GPU_TITLE = "## On one GPU: the quickstart, regeneration and the plain step (a lent H100)"
 # the dynamic tree the decoder issue measures drafting overhead on (conf/methods/decoder.yaml)
 DECODER_TREE = "head_dynamic"
 
@@ -1069,6 +1074,78 @@ def shape_text(shape: dict) -> str:
     (snapshots store keys sorted)."""
     fields = {"kind": shape.get("kind"), **{k: v for k, v in shape.items() if k != "kind"}}
     return "{" + ", ".join(f"{key}: {value}" for key, value in fields.items()) + "}"
+
+
+def gpu_section() -> list[str] | None:
+    """The one GPU session's numbers (docs/results/gpu_h100.json, assembled from that session's
+    outputs: the GPU machine is lent, and gone after it)."""
+    snapshot = read_json(SNAPSHOTS / "gpu_h100.json")
+    if snapshot is None:
+        return None
+    quickstart, regen, profile = snapshot["quickstart"], snapshot["regen"], snapshot["plain_step_profile"]
+    plan, timings, training = quickstart["plan"], quickstart["timings"], quickstart["training"]
+    held_out = quickstart["held_out"]
+    lines = [
+        f"Machine: {machine_line(snapshot)}; {snapshot['software']}; at commit {snapshot['commit']}.",
+        "",
+        f"**The quickstart** (`{quickstart['command']}`), which made the head in "
+        "`assets/heads/smollm2-135m-eagle/` (its `provenance.json`):",
+        "",
+        "| stage | ETA (plan) | took |",
+        "|---|---|---|",
+        *(
+            f"| {stage} | {clock(plan['eta_s'][stage])} | {clock(timings[stage])} |"
+            for stage in ("probe", "regen", "cache train", "cache heldout", "train", "export", "eval")
+            if stage in timings and stage in plan["eta_s"]
+        ),
+        f"| total | {clock(sum(plan['eta_s'].values()))} | {clock(timings['total'])} "
+        f"(budget {plan['budget_minutes']} min) |",
+        "",
+        f"Training: {training['global_step']} steps, {training['tokens_seen']:,} tokens, "
+        f"{training['train_tokens_per_s']:,.0f} tokens/s ({training['precision']}, "
+        f"{training['fit_seconds']:.0f} s, peak {training['peak_memory_gb']:.1f} GB); held out: simulated τ "
+        f"{held_out['val/sim_tau']:.2f}, acc_1..4 "
+        + " / ".join(f"{held_out[f'val/acc_{j}']:.3f}" for j in range(1, 5))
+        + ".",
+        "",
+        f"Its eval ({quickstart['eval']['prompts']}, {quickstart['eval']['max_new_tokens']} new tokens, "
+        "T=0):",
+        "",
+        "| method | shape | tok/s | × plain | τ | draft ms | verify ms | bookkeeping ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for method, o in sorted(quickstart["eval"]["methods"].items(), key=lambda item: item[0] != "plain"):
+        head = method != "plain"
+        lines.append(
+            f"| {method} | {shape_text(o['shape']) if o['shape'] else '–'} | {o['tokens_per_s']:.1f} | "
+            f"{o['speedup']:.2f}× | {o['tau']:.2f} | {o['draft_ms']:.0f} | {o['verify_ms']:.0f} | "
+            f"{o['bookkeeping_ms']:.0f} |"
+            if head
+            else f"| plain | – | {o['tokens_per_s']:.1f} | 1× | 1 | – | {o['verify_ms']:.0f} | – |"
+        )
+    launches = profile["torch_profiler_8_forwards"]
+    lines += [
+        "",
+        f"**Regeneration** ({regen['rows']} rows): {regen['chunk_64_tokens_per_s']:,} tokens/s with chunks "
+        f"of 64 conversations — {regen['chunk_64_note']}; {regen['chunk_1024_tokens_per_s']:,.0f} "
+        f"tokens/s with chunks of 1,024 — {regen['chunk_1024_note']}. Rows are refilled within a "
+        "chunk only, hence `chunk_size: auto` (4 batches) and `batch_size: auto` (by free GPU memory).",
+        "",
+        f"**The plain step is launch-bound**: {launches['cuda_kernel_launches']:,} kernel launches in 8 "
+        f"forwards; {launches['self_cpu_ms']:.0f} ms of host time against {launches['self_cuda_ms']:.0f} ms "
+        f"on the GPU — {profile['note']}. Ours {profile['ours_ms_per_token']['64 tokens']:.0f} ms per "
+        f"token, HF's forward with its DynamicCache {profile['hf_forward_dynamic_cache_ms_per_token']:.0f} "
+        "ms: the GPU idles ~95 % of each step, so only fewer launches (CUDA graphs) make speculation "
+        "pay here.",
+        "",
+        f"**`pytest -m gpu`**: passed {', '.join(f'`{t}`' for t in snapshot['gpu_tests']['passed'])}; failed "
+        + "; ".join(f"`{t}`: {why}" for t, why in snapshot["gpu_tests"]["failed"].items())
+        + ".",
+        "",
+        f"Compile: {snapshot['compile_bench']}.",
+        "",
+    ]
+    return lines
 
 
 def decoder_section() -> list[str] | None:
