@@ -1,7 +1,8 @@
 """The decode loop: one loop for every drafter, and plain decoding on the same target runner.
 
     prefill(prompt) -> root ~ p(· | prompt)
-    repeat: draft a tree under the root -> verify it in one target forward -> accept a path
+    repeat: draft a tree under the root -> verify it in one target forward (the drafter sees
+            the whole tree's output: lookahead decoding learns from it) -> accept a path
             (+ one token from the target) -> compact the target's KV cache -> feed the accepted
             path's target features back to the drafter
 
@@ -148,6 +149,7 @@ def speculative_generate(
         drafted = device_clock(device)
         output = runner.verify(draft.tokens, draft.tree)
         verified = device_clock(device)
+        drafter.verified(output)
         nodes, accepted_tokens, root = _accept(draft, output.logits, sampling, generator, typical)
         runner.commit(nodes)
         tokens.extend([*accepted_tokens[1:], root])

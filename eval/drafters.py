@@ -7,6 +7,7 @@ Every drafter follows the decode loop's rhythm (:mod:`specdraft.eval.decode`):
   prompt, or the root plus the accepted drafts) and produced ``target_output`` for them;
   ``next_token`` is the new root, sampled from the target but not yet run by it;
 * ``draft(root, sampling, generator) -> Draft``: a tree whose node 0 is the root;
+* ``verified(target_output)``: the target's output over every node of that tree;
 * ``observe(drafted, accepted)``: feedback for adaptive policies.
 
 Tree shapes: :class:`Chain` (top-1 at T=0; sampled from the draft at T>0, for lossless
@@ -164,6 +165,10 @@ class Drafter:
 
     def draft(self, root: int, sampling: Sampling, generator: torch.Generator | None = None) -> Draft:
         raise NotImplementedError
+
+    def verified(self, output: TargetOutput) -> None:
+        """The target's output over the whole draft just verified (every node, accepted or not):
+        lookahead decoding reads its next Jacobi iteration from it; the others need nothing."""
 
     def observe(self, drafted: int, accepted: int) -> None:
         """Adapt the chain threshold: lower it after a fully accepted chain, raise it otherwise."""

@@ -12,6 +12,8 @@ Method config (a mapping):
   :mod:`specdraft.eval.autoshape`);
   ``typical: true`` switches on Medusa typical acceptance (LOSSY at T > 0);
 * ``{type: draft_model, depth, threshold}`` — classic speculative sampling with the draft LM;
+* ``{type: lookahead, window, ngram, guesses, pool_per_token}`` — lookahead decoding, no draft
+  model (:mod:`specdraft.eval.lookahead`);
 * ``{type: hf}``, ``{type: hf, prompt_lookup_tokens}``, ``{type: hf, assisted: true,
   assistant_tokens}`` — HF ``generate``: plain, prompt lookup decoding, assisted generation.
 """
@@ -39,6 +41,7 @@ from specdraft.eval.drafters import (
     StaticTree,
     TreeShape,
 )
+from specdraft.eval.lookahead import Lookahead, LookaheadDrafter
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.trees import best_static_tree
@@ -46,7 +49,7 @@ from specdraft.heads.eagle import Eagle3Head, FeatureHead
 from specdraft.heads.medusa import MedusaHead
 
 Generate = Callable[[Tensor, Sampling, int], Generation]
-METHOD_TYPES = ("plain", "head", "draft_model", "hf")
+METHOD_TYPES = ("plain", "head", "draft_model", "lookahead", "hf")
 AUTO = "auto"
 # (method name, its runner, a drafter for a shape, candidate shape configs or None for the
 # defaults) -> the choice; specdraft-bench's chooser calibrates, probes and records it.
@@ -159,6 +162,14 @@ def build_method(
         shape = Chain(depth=config.get("depth", 4), threshold=config.get("threshold"))
         model = draft_model()
         drafter = lambda: DraftModelDrafter(model, shape, compile=compile)  # noqa: E731
+        return Method(name, kind, decode_with(drafter, TargetRunner(target, compile=compile)))
+    if kind == "lookahead":
+        keys = ("window", "ngram", "guesses", "pool_per_token")
+        missing = [key for key in keys if key not in config]
+        if missing:
+            raise ValueError(f"method {name}: lookahead needs {list(keys)}; missing {missing}")
+        settings = Lookahead(**{key: int(config[key]) for key in keys})
+        drafter = lambda: LookaheadDrafter(settings)  # noqa: E731
         return Method(name, kind, decode_with(drafter, TargetRunner(target, compile=compile)))
     # HF generate
     prompt_lookup = config.get("prompt_lookup_tokens")

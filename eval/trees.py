@@ -97,6 +97,20 @@ def tree_from_ancestors(ancestors: Tensor) -> TreeBuffers:
     return TreeBuffers(None, parents, depths, ancestors, retrieve[:, :width])
 
 
+def tree_from_parents(parents: Sequence[int]) -> TreeBuffers:
+    """Buffers of a tree given by each node's parent (node 0, the root, has −1; every parent
+    comes before its children), built on the host: for drafters that assemble a tree node by
+    node (lookahead decoding)."""
+    n = len(parents)
+    ancestors = torch.eye(n, dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        if (node == 0) != (parent < 0) or parent >= node:
+            raise ValueError(f"node {node}: parent {parent} (the root alone has none; parents come first)")
+        if parent >= 0:
+            ancestors[node] |= ancestors[parent]
+    return tree_from_ancestors(ancestors)
+
+
 def best_static_tree(rank_accept: Sequence[Sequence[float]], num_nodes: int) -> list[tuple[int, ...]]:
     """The ``num_nodes`` paths of highest estimated reach probability (Medusa's tree construction).
 
