@@ -20,6 +20,7 @@ Method config (a mapping):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -170,7 +171,8 @@ def build_method(
             raise ValueError(f"method {name}: lookahead needs {list(keys)}; missing {missing}")
         settings = Lookahead(**{key: int(config[key]) for key in keys})
         drafter = lambda: LookaheadDrafter(settings)  # noqa: E731
-        return Method(name, kind, decode_with(drafter, TargetRunner(target, compile=compile)))
+        generate = decode_with(drafter, TargetRunner(target, compile=compile))
+        return Method(name, kind, generate, details={"lookahead": dataclasses.asdict(settings)})
     # HF generate
     prompt_lookup = config.get("prompt_lookup_tokens")
     assistant = draft_model() if config.get("assisted", False) else None

@@ -24,6 +24,11 @@ Stages (``--stages`` picks some):
   with ``shape: auto``) on 16 MT-bench first turns, 128 new tokens, T=0, with draft / verify /
   bookkeeping ms per step (``--decoder-checkpoint``: the head; ``--decoder-provenance``: how it
   was trained, written into the snapshot);
+* ``lookahead`` — speculation with and without a draft model: ONE ``specdraft-bench
+  methods=lookahead`` run (plain decoding, lookahead decoding at two window sizes, HF prompt
+  lookup, the head with ``shape: auto``; ``--lookahead-checkpoint``, default the committed
+  quickstart head) on MT-bench first turns alternating with HumanEval problems
+  (``--per-category``, ``--humaneval``), 128 new tokens, T=0;
 * ``train_speed`` — training-step throughput per head kind of successive checkouts on the same
   cached features, from ``scripts/bench_train_step.py`` outputs (``--train-speed OLDEST … NEWEST``),
   with regeneration tokens/s from two ``specdraft-regen`` logs (``--regen-logs BEFORE AFTER``)
@@ -63,6 +68,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LOG_DIR = Path(os.environ.get("SPECDRAFT_LOG_DIR", ROOT / "outputs"))
 QUICKSTART = LOG_DIR / "quickstart"
 RESULTS = LOG_DIR / "results"
+QUICKSTART_HEAD = ROOT / "assets" / "heads" / "smollm2-135m-eagle"  # committed, trained on a GPU
 DOCS = ROOT / "docs"
 SNAPSHOTS = DOCS / "results"  # the measured numbers the doc is rendered from (committed)
 MT_BENCH = os.environ.get("SPECDRAFT_SPEC_BENCH", str(ROOT.parent / "shared" / "bench" / "spec_bench.jsonl"))
@@ -372,6 +378,23 @@ def decoder(checkpoint: str | None, per_category: int) -> None:
     )
 
 
+def lookahead(checkpoint: str, per_category: int, humaneval: int) -> None:
+    command(
+        "specdraft-bench",
+        "methods=lookahead",
+        f"checkpoint={checkpoint}",
+        f"run_name={LOOKAHEAD_RUN}",
+        f"paths.log_dir={RESULTS}",
+        "prompts=mt_bench_humaneval",
+        f"prompts.sources.0.path={MT_BENCH}",
+        f"prompts.sources.0.per_category={per_category}",
+        f"prompts.sources.1.limit={humaneval}",
+        "max_new_tokens=128",
+        "temperatures=[0.0]",
+        "progress=false",
+    )
+
+
 def curve(per_category: int) -> None:
     """Every curve checkpoint of the quickstart runs in CURVE_RUNS, benched together at T=0."""
     methods = []
@@ -421,6 +444,11 @@ def doc(decoder_provenance: str | None = None) -> None:
             DECODER_TITLE,
             decoder_section,
             "python scripts/results.py --stages decoder doc --decoder-checkpoint <head>",
+        ),
+        (
+            LOOKAHEAD_TITLE,
+            lookahead_section,
+            "python scripts/results.py --stages lookahead doc",
         ),
         (GPU_TITLE, gpu_section, "a GPU session: see docs/results/gpu_h100.json"),
         (
@@ -483,6 +511,30 @@ def snapshot_runs(decoder_provenance: str | None = None) -> None:
             for run in CURVE_RUNS
         }
         write_json_atomic(SNAPSHOTS / "curve.json", {"report": compact(report), "runs": runs})
+    out_dir = RESULTS / "bench" / LOOKAHEAD_RUN
+    report = read_json(out_dir / "report.json")
+    if report is not None:
+        records = read_records(out_dir)
+        results = {}
+        for suite, member in SUITES.items():
+            rows = [r for r in records if member(r["category"])]
+            if rows:
+                results[suite] = {
+                    method: {
+                        "overall": {k: entry["overall"].get(k) for k in (*OVERALL_KEYS, "mean_nodes")},
+                        **({"lossless": entry["lossless"]} if "lossless" in entry else {}),
+                    }
+                    for method, entry in summarize(rows)["T=0"].items()
+                }
+        methods = {m: {k: v for k, v in d.items() if k != "checkpoint"} for m, d in report["methods"].items()}
+        snapshot = {
+            "machine": report["machine"],
+            "head": Path(report["config"].get("checkpoint") or "").name,
+            "methods": methods,
+            "max_new_tokens": report["config"]["max_new_tokens"],
+            "results": results,
+        }
+        write_json_atomic(SNAPSHOTS / LOOKAHEAD_SNAPSHOT, snapshot)
     report = read_json(RESULTS / "bench" / "decoder" / "report.json")
     if report is not None:
         previous = read_json(SNAPSHOTS / "decoder.json") or {}
@@ -746,6 +798,9 @@ WALLCLOCK_ABLATION_TITLE = "## Earlier ablation: the same data, the same wall-cl
 CURVE_TITLE = "## τ vs training time and data"
 DECODER_TITLE = "## The decoder's own speed (`specdraft-bench methods=decoder`)"
 TRAIN_SPEED_TITLE = "## Training speed per head kind (`scripts/bench_train_step.py`)"
+LOOKAHEAD_TITLE = "## Lookahead decoding, HF prompt lookup and a trained head (`methods=lookahead`)"
+LOOKAHEAD_RUN = "lookahead"
+LOOKAHEAD_SNAPSHOT = "lookahead.json"
 GPU_TITLE = "## On one GPU: the quickstart, regeneration and the plain step (a lent H100)"
 # the dynamic tree the decoder issue measures drafting overhead on (conf/methods/decoder.yaml)
 DECODER_TREE = "head_dynamic"
@@ -1074,6 +1129,58 @@ def shape_text(shape: dict) -> str:
     (snapshots store keys sorted)."""
     fields = {"kind": shape.get("kind"), **{k: v for k, v in shape.items() if k != "kind"}}
     return "{" + ", ".join(f"{key}: {value}" for key, value in fields.items()) + "}"
+
+
+def lookahead_section() -> list[str] | None:
+    snapshot = read_json(SNAPSHOTS / LOOKAHEAD_SNAPSHOT)
+    if snapshot is None:
+        return None
+    settings = {name: d["lookahead"] for name, d in snapshot["methods"].items() if "lookahead" in d}
+    lines = [
+        f"Machine: {machine_line(snapshot)}. One interleaved run, T=0, "
+        f"{snapshot['max_new_tokens']} new tokens per prompt; the head: `{snapshot['head']}` "
+        "(the committed quickstart head). Tokens per step = τ (accepted drafts + 1 per target "
+        "forward after the prefill); HF prompt lookup does not expose its steps.",
+        "",
+    ]
+    for suite in (name for name in SUITES if name in snapshot["results"]):
+        methods = snapshot["results"][suite]
+        prompts = methods["plain"]["overall"]["turns"]
+        lines += [
+            f"{suite} ({prompts} prompts):",
+            "",
+            "| method | tok/s | × plain | tokens per step | nodes per step | identical to plain |",
+            "|---|---|---|---|---|---|",
+        ]
+        for method, entry in sorted(methods.items(), key=lambda item: item[0] != "plain"):
+            o, lossless = entry["overall"], entry.get("lossless") or {}
+            stepped = method != "plain" and o.get("tau") is not None  # HF methods expose no steps
+            cells = [
+                method,
+                f"{o['tokens_per_s']:.2f}",
+                f"{o.get('speedup') or 1:.3f}×",
+                f"{o['tau']:.2f}" if stepped else "–",
+                f"{o['mean_nodes']:.1f}" if stepped and o.get("mean_nodes") else "–",
+                f"{lossless['exact_turns']}/{lossless['turns_compared']}" if lossless else "–",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += [
+        "Lookahead settings: "
+        + "; ".join(
+            f"`{name}` W {d['window']}, N {d['ngram']}, G {d['guesses']}" for name, d in settings.items()
+        )
+        + "".join(
+            f"; `{name}` (`shape: auto`) chose `{shape_text(d['auto_shape']['chosen'])}`"
+            for name, d in snapshot["methods"].items()
+            if "auto_shape" in d
+        )
+        + ". Lookahead's tree grows with W × (N − 1) + G × (N − 1) nodes whether or not they are accepted: "
+        "on a CPU, where a verify's cost grows with its nodes, it trades speed for steps; LADE's "
+        "setting for 7B models on an A100 is W 15, N 5, G 15.",
+        "",
+    ]
+    return lines
 
 
 def gpu_section() -> list[str] | None:
@@ -1423,6 +1530,10 @@ def main() -> None:
     )
     parser.add_argument("--sweep-steps", type=int, help="training steps per sweep point (default: --steps)")
     parser.add_argument("--decoder-checkpoint", help="the head the decoder stage benches")
+    parser.add_argument(
+        "--lookahead-checkpoint", default=str(QUICKSTART_HEAD), help="the head the lookahead stage benches"
+    )
+    parser.add_argument("--humaneval", type=int, default=16, help="HumanEval problems of the lookahead stage")
     parser.add_argument("--decoder-provenance", help="how that head was trained (kept in the snapshot)")
     parser.add_argument("--train-speed", nargs="+", type=Path, help="bench_train_step.py JSON, oldest first")
     parser.add_argument("--regen-logs", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
@@ -1444,6 +1555,8 @@ def main() -> None:
             curve(args.per_category)
         elif stage == "decoder":
             decoder(args.decoder_checkpoint, args.per_category)
+        elif stage == "lookahead":
+            lookahead(args.lookahead_checkpoint, args.per_category, args.humaneval)
         elif stage == "train_speed":
             if not args.train_speed:
                 parser.error("stage train_speed needs --train-speed OLDEST … NEWEST")
