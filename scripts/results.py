@@ -38,6 +38,11 @@ Stages (``--stages`` picks some):
 * ``doc``       — docs/results.md and its plots from the JSON the stages wrote (the ablation's
   paired-bootstrap intervals are computed from its bench's records when it is snapshotted).
 
+On a GPU every stage loads the target there (``--device cuda``; training with ``trainer=gpu``), and
+the ablation and sweep heads may share another precision and batch size: e.g. ``--stages ablation
+depth bench doc --device cuda --precision bf16-mixed --batch-tokens 16384 --steps 350`` trains
+every head on ~5.7M tokens.
+
 The stages write JSON (and CSV training logs); ``doc`` snapshots what the doc needs from them into
 docs/results/ and renders the doc from those snapshots only. ``--stages`` defaults to the
 equal-token ablation: ablation depth bench doc.
@@ -51,9 +56,11 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -187,9 +194,28 @@ CURVE_RUNS = {"quickstart-256": "c256", "quickstart-512": "c512", "quickstart": 
 CURVE_EVERY = 100
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where the stages run: the target's ``device`` (on ``cuda`` training takes ``trainer=gpu``)
+    and the ablation's (and sweep's) ``precision`` and batch size — one for every head, so a GPU
+    run can train in bf16-mixed over larger batches while staying equal across heads."""
+
+    device: str = "cpu"
+    precision: str = ABLATION_PRECISION
+    batch_tokens: int = ABLATION_BATCH_TOKENS
+
+    def target(self) -> list[str]:
+        """Overrides of every command that loads the target."""
+        return [] if self.device == "cpu" else [f"target.device={self.device}"]
+
+    def training(self) -> list[str]:
+        return self.target() + ([] if self.device == "cpu" else ["trainer=gpu"])
+
+
 def command(name: str, *overrides: str) -> None:
-    """Run a specdraft console script of this venv; stop on failure."""
-    argv = [str(Path(sys.executable).parent / name), *overrides]
+    """Run a specdraft console script of this venv (else of PATH); stop on failure."""
+    script = Path(sys.executable).parent / name
+    argv = [str(script) if script.is_file() else shutil.which(name) or name, *overrides]
     print("$ " + " ".join(argv), flush=True)
     subprocess.run(argv, check=True)
 
@@ -208,7 +234,9 @@ def head_method(name: str, checkpoint: Path, shape: str, shortlist: bool = True)
     )
 
 
-def ablation_overrides(name: str, steps: int, features: Path) -> list[str]:
+def ablation_overrides(
+    name: str, steps: int, features: Path, placement: Placement = Placement()
+) -> list[str]:
     """What every ablation head shares: the features, the batches, the schedule, the vocabulary.
 
     Equal TOKENS, not time: every head takes ``steps`` optimiser steps over the same batches (same
@@ -227,12 +255,12 @@ def ablation_overrides(name: str, steps: int, features: Path) -> list[str]:
         "datamodule=cached",
         f"datamodule.train_cache={features / 'train'}",
         f"datamodule.val_cache={features / 'heldout'}",
-        f"datamodule.max_batch_tokens={ABLATION_BATCH_TOKENS}",
+        f"datamodule.max_batch_tokens={placement.batch_tokens}",
         f"trainer.max_steps={steps}",
         "trainer.max_time=null",
         # One precision for every head on every machine (`auto` would pick bf16-mixed on an AMX
         # CPU or a GPU, so an ablation resumed elsewhere would mix precisions).
-        f"trainer.precision={ABLATION_PRECISION}",
+        f"trainer.precision={placement.precision}",
         f"trainer.val_check_interval={ABLATION_VAL_EVERY}",
         "trainer.limit_val_batches=1.0",
         f"scheduler.warmup_steps={ABLATION_WARMUP}",
@@ -240,10 +268,11 @@ def ablation_overrides(name: str, steps: int, features: Path) -> list[str]:
         f"callbacks.last_checkpoint.every_n_train_steps={ABLATION_CHECKPOINT_EVERY}",
         "validate_at_end=true",
         "callbacks.progress.refresh_rate=0",
+        *placement.training(),
     ]
 
 
-def ablation(steps: int, features: Path | None) -> None:
+def ablation(steps: int, features: Path | None, placement: Placement) -> None:
     """Train every ABLATION head for ``steps`` steps on the same features (a finished run is kept;
     a killed one resumes from its last checkpoint)."""
     if steps % ABLATION_CHECKPOINT_EVERY:
@@ -253,10 +282,10 @@ def ablation(steps: int, features: Path | None) -> None:
     for name in ABLATION:
         if (RESULTS / "train" / name / "summary.json").is_file():
             continue
-        command("specdraft-train", *ablation_overrides(name, steps, features))
+        command("specdraft-train", *ablation_overrides(name, steps, features, placement))
 
 
-def bench(max_minutes: float | None) -> None:
+def bench(max_minutes: float | None, placement: Placement) -> None:
     """ONE interleaved specdraft-bench run over every ablation head's final weights as the same
     EAGLE-2 dynamic tree (no early stopping by validation: equal tokens), on MT-bench first turns
     (balanced per category) alternating with HumanEval, at T=0 and T=1. It resumes where it was
@@ -282,6 +311,7 @@ def bench(max_minutes: float | None) -> None:
         "temperatures=[0.0,1.0]",
         "progress=false",
         *([f"max_minutes={max_minutes}"] if max_minutes else []),
+        *placement.target(),
     )
 
 
@@ -335,13 +365,15 @@ def depth(depth_steps: int = DEPTH_STEPS) -> None:
     partial.unlink()
 
 
-def sweep(steps: int, features: Path | None, grid: dict[str, str]) -> None:
+def sweep(steps: int, features: Path | None, grid: dict[str, str], placement: Placement) -> None:
     """The HASS loss-weight sweep as users run one offline: ONE Hydra multirun of HASS heads on the
     ablation's data, batches, vocabulary and step count (``grid``: key -> comma-separated values;
     the other weights stay at conf/loss/hass.yaml's), logged to W&B offline and CSV; then
     ``specdraft-sweep-report`` over its run dirs. Finished points are skipped, killed ones resume."""
     features = features or quickstart_features()
-    shared = [o for o in ablation_overrides("hass", steps, features) if not o.startswith("run_name=")]
+    shared = [
+        o for o in ablation_overrides("hass", steps, features, placement) if not o.startswith("run_name=")
+    ]
     # The run dirs are named after the swept values only.
     excluded = ["experiment", "logger", "logger.wandb.mode", "sweep_name", "paths.log_dir"]
     excluded += [o.split("=")[0] for o in shared]
@@ -360,7 +392,7 @@ def sweep(steps: int, features: Path | None, grid: dict[str, str]) -> None:
     write_json_atomic(sweep_dir / "report" / "machine.json", machine_info())
 
 
-def decoder(checkpoint: str | None, per_category: int) -> None:
+def decoder(checkpoint: str | None, per_category: int, placement: Placement) -> None:
     if checkpoint is None:
         raise SystemExit("the decoder stage needs --decoder-checkpoint (a trained EAGLE head)")
     command(
@@ -375,10 +407,11 @@ def decoder(checkpoint: str | None, per_category: int) -> None:
         "max_new_tokens=128",
         "temperatures=[0.0]",
         "progress=false",
+        *placement.target(),
     )
 
 
-def lookahead(checkpoint: str, per_category: int, humaneval: int) -> None:
+def lookahead(checkpoint: str, per_category: int, humaneval: int, placement: Placement) -> None:
     command(
         "specdraft-bench",
         "methods=lookahead",
@@ -392,6 +425,7 @@ def lookahead(checkpoint: str, per_category: int, humaneval: int) -> None:
         "max_new_tokens=128",
         "temperatures=[0.0]",
         "progress=false",
+        *placement.target(),
     )
 
 
@@ -591,7 +625,10 @@ def ablation_snapshot() -> dict | None:
         "setup": {
             "steps": (read_json(eagle_run / "summary.json") or {}).get("global_step"),
             "vocab": ABLATION_VOCAB,
-            "batch_tokens": ABLATION_BATCH_TOKENS,
+            # --batch-tokens may differ from the default (a GPU run)
+            "batch_tokens": yaml.safe_load((eagle_run / "run_config.yaml").read_text())["datamodule"].get(
+                "max_batch_tokens", ABLATION_BATCH_TOKENS
+            ),
             "tree": TREE,
             "max_new_tokens": report["config"]["max_new_tokens"] if report else None,
         },
@@ -1524,6 +1561,15 @@ def main() -> None:
         "--features", type=Path, help="the ablation's feature caches (default: the quickstart's)"
     )
     parser.add_argument("--per-category", type=int, default=2, help="MT-bench questions per category")
+    parser.add_argument(
+        "--device", default="cpu", help="the target's device in every stage (cuda: trainer=gpu)"
+    )
+    parser.add_argument(
+        "--precision", default=ABLATION_PRECISION, help="training precision of every ablation / sweep head"
+    )
+    parser.add_argument(
+        "--batch-tokens", type=int, default=ABLATION_BATCH_TOKENS, help="positions per ablation / sweep batch"
+    )
     parser.add_argument("--max-minutes", type=float, help="a time box for the ablation's bench (it resumes)")
     parser.add_argument(
         "--sweep", nargs="+", metavar="KEY=V1,V2", help="the sweep's grid (default: SWEEP_GRID)"
@@ -1541,22 +1587,23 @@ def main() -> None:
     parser.add_argument("--train-speed-command", default="", help="how the measurements were made")
     parser.add_argument("--train-speed-repeats", nargs="*", type=Path, help="more runs, either checkout")
     args = parser.parse_args()
+    placement = Placement(args.device, args.precision, args.batch_tokens)
     started = time.perf_counter()
     for stage in args.stages:
         if stage == "ablation":
-            ablation(args.steps, args.features)
+            ablation(args.steps, args.features, placement)
         elif stage == "bench":
-            bench(args.max_minutes)
+            bench(args.max_minutes, placement)
         elif stage == "depth":
             depth()
         elif stage == "sweep":
-            sweep(args.sweep_steps or args.steps, args.features, sweep_grid(parser, args.sweep))
+            sweep(args.sweep_steps or args.steps, args.features, sweep_grid(parser, args.sweep), placement)
         elif stage == "curve":
             curve(args.per_category)
         elif stage == "decoder":
-            decoder(args.decoder_checkpoint, args.per_category)
+            decoder(args.decoder_checkpoint, args.per_category, placement)
         elif stage == "lookahead":
-            lookahead(args.lookahead_checkpoint, args.per_category, args.humaneval)
+            lookahead(args.lookahead_checkpoint, args.per_category, args.humaneval, placement)
         elif stage == "train_speed":
             if not args.train_speed:
                 parser.error("stage train_speed needs --train-speed OLDEST … NEWEST")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "results.py"
 def results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     spec = importlib.util.spec_from_file_location("results_script", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
     log_dir = tmp_path / "outputs"
     monkeypatch.setattr(module, "LOG_DIR", log_dir)
@@ -253,6 +255,18 @@ def test_every_ablation_head_composes_with_the_shared_overrides(results, tmp_pat
         assert vocab == results.ABLATION_VOCAB
     hass = compose_train(tmp_path / "h", *results.ablation_overrides("hass_beta1", 300, tmp_path))
     assert hass.loss.rollout.step_weight_base == 1.0 and hass.loss.rollout.steps == 3
+    assert hass.trainer.accelerator == "cpu" and hass.target.device == "cpu"
+
+
+def test_a_gpu_placement_moves_every_head_alike(results, tmp_path: Path) -> None:
+    """`--device cuda --precision bf16-mixed --batch-tokens 16384`: every head trains on the GPU
+    with the target there, in one precision and batch size; the bench loads the target there."""
+    placement = results.Placement("cuda", "bf16-mixed", 16384)
+    for name in ("eagle", "eagle3"):
+        cfg = compose_train(tmp_path / name, *results.ablation_overrides(name, 300, tmp_path, placement))
+        assert cfg.trainer.accelerator == "gpu" and cfg.target.device == "cuda"
+        assert cfg.trainer.precision == "bf16-mixed" and cfg.datamodule.max_batch_tokens == 16384
+    assert placement.target() == ["target.device=cuda"] and results.Placement().target() == []
 
 
 def test_training_curves_join_a_resumed_runs_logs_and_drop_the_repeated_final_validation(results) -> None:
