@@ -1169,6 +1169,7 @@ def shape_text(shape: dict) -> str:
 
 
 def lookahead_section() -> list[str] | None:
+    """Lookahead decoding next to HF prompt lookup and a head, per suite, from one run."""
     snapshot = read_json(SNAPSHOTS / LOOKAHEAD_SNAPSHOT)
     if snapshot is None:
         return None
@@ -1212,9 +1213,9 @@ def lookahead_section() -> list[str] | None:
             for name, d in snapshot["methods"].items()
             if "auto_shape" in d
         )
-        + ". Lookahead's tree grows with W × (N − 1) + G × (N − 1) nodes whether or not they are accepted: "
-        "on a CPU, where a verify's cost grows with its nodes, it trades speed for steps; LADE's "
-        "setting for 7B models on an A100 is W 15, N 5, G 15.",
+        + ". Lookahead verifies W × (N − 1) window nodes plus up to G × (N − 1) n-gram nodes a step, "
+        "accepted or not: on a CPU, where a verify's cost grows with its nodes, it trades speed for "
+        "steps; LADE's setting for 7B models on an A100 is W 15, N 5 (G = W).",
         "",
     ]
     return lines
