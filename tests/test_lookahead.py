@@ -143,12 +143,10 @@ def test_malformed_settings_are_one_clear_error(settings, message):
 
 
 def test_the_bench_method_names_missing_settings(tiny_target):
-    with pytest.raises(
-        ValueError, match=r"method la: lookahead needs .*; missing \['guesses', 'pool_per_token'\]"
-    ):
-        build_method(
+    def method(config):
+        return build_method(
             "la",
-            {"type": "lookahead", "window": 3, "ngram": 3},
+            {"type": "lookahead", **config},
             tiny_target,
             heads=lambda _: None,
             draft_model=lambda: None,
@@ -157,19 +155,15 @@ def test_the_bench_method_names_missing_settings(tiny_target):
             max_new_tokens=8,
             typical=None,
         )
-    method = build_method(
-        "la",
-        {"type": "lookahead", "window": 3, "ngram": 3, "guesses": 2, "pool_per_token": 4},
-        tiny_target,
-        heads=lambda _: None,
-        draft_model=lambda: None,
-        shortlist=lambda: None,
-        eos_ids=(),
-        max_new_tokens=8,
-        typical=None,
-    )
-    assert method.type == "lookahead" and method.lossless
-    assert len(method.generate(prompt(tiny_target), GREEDY, 0).tokens) == 8
+
+    with pytest.raises(
+        ValueError, match=r"method la: lookahead needs .*; missing \['guesses', 'pool_per_token'\]"
+    ):
+        method({"window": 3, "ngram": 3})
+    built = method({"window": 3, "ngram": 3, "guesses": 2, "pool_per_token": 4})
+    assert built.type == "lookahead" and built.lossless
+    assert built.details == {"lookahead": {"window": 3, "ngram": 3, "guesses": 2, "pool_per_token": 4}}
+    assert len(built.generate(prompt(tiny_target), GREEDY, 0).tokens) == 8
 
 
 def test_parents_build_the_same_buffers_as_ancestors():
