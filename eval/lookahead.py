@@ -73,8 +73,8 @@ class LookaheadDrafter(Drafter):
 
     @property
     def max_depth(self) -> int:
-        window, ngram = self.settings.window, self.settings.ngram
-        return max(window + ngram - 2, ngram - 1)
+        """The deepest window guess (newest level, last column); the trie is never deeper (W ≥ 1)."""
+        return self.settings.window + self.settings.ngram - 2
 
     def reset(self) -> None:
         super().reset()

@@ -545,29 +545,8 @@ def snapshot_runs(decoder_provenance: str | None = None) -> None:
             for run in CURVE_RUNS
         }
         write_json_atomic(SNAPSHOTS / "curve.json", {"report": compact(report), "runs": runs})
-    out_dir = RESULTS / "bench" / LOOKAHEAD_RUN
-    report = read_json(out_dir / "report.json")
-    if report is not None:
-        records = read_records(out_dir)
-        results = {}
-        for suite, member in SUITES.items():
-            rows = [r for r in records if member(r["category"])]
-            if rows:
-                results[suite] = {
-                    method: {
-                        "overall": {k: entry["overall"].get(k) for k in (*OVERALL_KEYS, "mean_nodes")},
-                        **({"lossless": entry["lossless"]} if "lossless" in entry else {}),
-                    }
-                    for method, entry in summarize(rows)["T=0"].items()
-                }
-        methods = {m: {k: v for k, v in d.items() if k != "checkpoint"} for m, d in report["methods"].items()}
-        snapshot = {
-            "machine": report["machine"],
-            "head": Path(report["config"].get("checkpoint") or "").name,
-            "methods": methods,
-            "max_new_tokens": report["config"]["max_new_tokens"],
-            "results": results,
-        }
+    snapshot = lookahead_snapshot()
+    if snapshot is not None:
         write_json_atomic(SNAPSHOTS / LOOKAHEAD_SNAPSHOT, snapshot)
     report = read_json(RESULTS / "bench" / "decoder" / "report.json")
     if report is not None:
@@ -640,7 +619,6 @@ def ablation_snapshot() -> dict | None:
         "training": {
             name: {
                 **(training_summary(RESULTS / "train" / name) or {}),
-                "precision": (read_json(RESULTS / "train" / name / "summary.json") or {}).get("precision"),
                 "curve": val_curve(RESULTS / "train" / name),
             }
             for name in ABLATION
@@ -648,6 +626,35 @@ def ablation_snapshot() -> dict | None:
         },
         "results": results,
         "depth": depth,
+    }
+
+
+def lookahead_snapshot() -> dict | None:
+    """The lookahead stage's bench per suite (T=0): each method's speed, tokens per step, nodes
+    and agreement with plain decoding, and the methods' settings (no local paths)."""
+    out_dir = RESULTS / "bench" / LOOKAHEAD_RUN
+    report = read_json(out_dir / "report.json")
+    if report is None:
+        return None
+    records = read_records(out_dir)
+    results = {}
+    for suite, member in SUITES.items():
+        rows = [r for r in records if member(r["category"])]
+        if rows:
+            results[suite] = {
+                method: {
+                    "overall": {k: entry["overall"].get(k) for k in (*OVERALL_KEYS, "mean_nodes")},
+                    **({"lossless": entry["lossless"]} if "lossless" in entry else {}),
+                }
+                for method, entry in summarize(rows)["T=0"].items()
+            }
+    methods = report["methods"]
+    return {
+        "machine": report["machine"],
+        "head": Path(report["config"].get("checkpoint") or "").name,
+        "methods": {m: {k: v for k, v in d.items() if k != "checkpoint"} for m, d in methods.items()},
+        "max_new_tokens": report["config"]["max_new_tokens"],
+        "results": results,
     }
 
 
@@ -724,7 +731,10 @@ def training_summary(run_dir: Path) -> dict | None:
     summary = read_json(run_dir / "summary.json")
     if not summary:
         return None
-    return {key: summary[key] for key in TRAINING_KEYS} | {"final_val": summary.get("final_val") or {}}
+    return {key: summary[key] for key in TRAINING_KEYS} | {
+        "precision": summary.get("precision"),  # older runs' summaries lack it
+        "final_val": summary.get("final_val") or {},
+    }
 
 
 def manifest_counts(cache_dir: Path) -> dict | None:

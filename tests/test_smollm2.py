@@ -27,6 +27,13 @@ def load_smollm2(dtype):
     )
 
 
+def chat_prompt(target, text: str) -> torch.Tensor:
+    """The token ids of one user turn and the assistant's generation prompt."""
+    return target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"][0]
+
+
 @pytest.fixture(scope="module")
 def smollm2_fp32():
     return load_smollm2("float32")
@@ -115,12 +122,7 @@ def test_speculative_decoding_on_smollm2_equals_plain_greedy(smollm2_fp32):
     from specdraft.heads.registry import build_head
 
     target = smollm2_fp32
-    prompt = target.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Name three uses of a paperclip."}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )["input_ids"][0]
+    prompt = chat_prompt(target, "Name three uses of a paperclip.")
     eos = target.spec.eos_token_ids
     expected = plain_generate(TargetRunner(target), prompt, 32, Sampling(), eos).tokens
     reference = prompt.tolist() + expected
@@ -158,12 +160,7 @@ def test_the_committed_head_drafts_for_smollm2(smollm2_fp32):
 
     target = smollm2_fp32
     head = load_head(Path(__file__).parents[1] / "assets" / "heads" / "smollm2-135m-eagle", target)
-    prompt = target.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Explain what a hash table is, in a few sentences."}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )["input_ids"][0]
+    prompt = chat_prompt(target, "Explain what a hash table is, in a few sentences.")
     eos = target.spec.eos_token_ids
     expected = plain_generate(TargetRunner(target), prompt, 64, Sampling(), eos).tokens
     drafter = FeatureHeadDrafter(head, DynamicTree(depth=3, top_k=4, total_tokens=12))
