@@ -37,6 +37,7 @@ from specdraft.eval.baselines import load_draft_model
 from specdraft.eval.bench import BenchDirError, run_benchmark
 from specdraft.eval.decode import Typical
 from specdraft.eval.drafters import Drafter, TreeShape
+from specdraft.eval.graphs import resolve_graphs
 from specdraft.eval.kernels import PackedLinear, pack_linear_weights
 from specdraft.eval.load import load_head
 from specdraft.eval.methods import ShapeChooser, build_method, tree_shape
@@ -92,6 +93,7 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
         lambda: load_draft_model(target, cfg.draft_model.path, cfg.draft_model.num_layers)
     )
     shortlist = functools.cache(lambda: vocab_shortlist(cfg.shortlist, target))
+    graphs = resolve_graphs(cfg.graphs, target.device)
     methods = [
         build_method(
             name,
@@ -103,8 +105,9 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
             eos_ids=eos_ids,
             max_new_tokens=cfg.max_new_tokens,
             typical=Typical(**cfg.typical),
-            choose_shape=shape_chooser(cfg, target),
+            choose_shape=shape_chooser(cfg, target, graphs),
             compile=cfg.compile,
+            graphs=graphs,
         )
         for name, spec in {
             "plain": {"type": "plain"},
@@ -135,10 +138,11 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
     )
 
 
-def shape_chooser(cfg: DictConfig, target: Target) -> ShapeChooser:
+def shape_chooser(cfg: DictConfig, target: Target, graphs: bool) -> ShapeChooser:
     """``shape: auto`` for this run (eval/autoshape.py): calibration continuations and the
-    verify-latency probe are made once and shared by the methods; each method's choice is
-    written to ``auto_shape-<method>.json`` in the run dir, so a resumed run keeps it."""
+    verify-latency probe (on the decoder's own steps: ``graphs`` or not) are made once and shared
+    by the methods; each method's choice is written to ``auto_shape-<method>.json`` in the run
+    dir, so a resumed run keeps it."""
     settings = cfg.auto_shape
     out_dir = Path(cfg.paths.output_dir)
 
@@ -160,11 +164,12 @@ def shape_chooser(cfg: DictConfig, target: Target) -> ShapeChooser:
             "target": [target.spec.name, target.spec.revision, str(target.dtype), str(target.device)],
             "packed_weights": any(isinstance(m, PackedLinear) for m in target.model.modules()),
             "compile": cfg.compile,
+            "graphs": graphs,
             "probe": OmegaConf.to_container(probe, resolve=True),
         }
         measure = functools.partial(
             probe_verify_latency,
-            TargetRunner(target, compile=cfg.compile),
+            TargetRunner(target, compile=cfg.compile, graphs=graphs),
             probe.node_counts,
             probe.past,
             probe.repeats,

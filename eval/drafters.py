@@ -28,12 +28,12 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from specdraft.eval.graphs import GraphedStep
 from specdraft.eval.kernels import compiled_step, pack_linear_weights
 from specdraft.eval.runner import PositionalKVCache, TargetOutput, grow_positions
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.trees import TreeBuffers, tree_buffers, tree_from_ancestors
 from specdraft.heads.eagle import EagleHead, FeatureHead
-from specdraft.heads.layers import causal_mask
 from specdraft.heads.medusa import MedusaHead
 
 # (context tokens, how many tokens after the context the candidates are for (0 = the next
@@ -232,9 +232,11 @@ class FeatureHeadDrafter(Drafter):
     computed from the TARGET's features (the accepted path's features are fed back after every
     verification); tree nodes get entries after the committed ones that live for one drafting
     round (the next commit overwrites them). The cache is one preallocated tensor written by
-    position, and the dynamic tree (EAGLE-2) is grown on tensors: per depth one head step over
-    the frontier, a top-k, a global top-k; no Python loop over nodes, nothing copied to the
-    host. ``compile``: the head's step through ``torch.compile``."""
+    position, read whole under a mask, so every head step has a static shape; with ``graphs``
+    (on CUDA) each step size replays a CUDA graph (:mod:`specdraft.eval.graphs`). The dynamic
+    tree (EAGLE-2) is grown on tensors: per depth one head step over the frontier, a top-k, a
+    global top-k; no Python loop over nodes, nothing copied to the host. ``compile``: the head's
+    step through ``torch.compile``."""
 
     def __init__(
         self,
@@ -243,10 +245,13 @@ class FeatureHeadDrafter(Drafter):
         score_filter: ScoreFilter | None = None,
         vocab_shortlist: Tensor | None = None,
         compile: bool = False,
+        graphs: bool = False,
     ) -> None:
         super().__init__(shape, score_filter)
         self.head = head
         self._step = compiled_step(head.step) if compile else head.step
+        self._commit_graph = GraphedStep(self._commit_step, enabled=graphs)
+        self._expand_graph = GraphedStep(self._head_step, enabled=graphs)
         self.name = type(head).__name__
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
@@ -271,7 +276,6 @@ class FeatureHeadDrafter(Drafter):
             pack_linear_weights(self.shortlist)  # a few rows per step: the packed kernel (eval/kernels.py)
         spec = head.spec
         self.kv = torch.zeros(2, 1, spec.num_kv_heads, 0, spec.head_dim, dtype=self.dtype, device=self.device)
-        self._bias = torch.zeros(0, 0, dtype=self.dtype, device=self.device)
         self._slots = 0  # draft entries written after the committed ones this round
         self.reset()
 
@@ -284,17 +288,11 @@ class FeatureHeadDrafter(Drafter):
         return len(shape.paths) if isinstance(shape, StaticTree) else shape.depth
 
     def _reserve(self, length: int) -> None:
-        self.kv = grow_positions(self.kv, length, keep=len(self.history))
-        if length > self._bias.shape[1] or self._bias.shape[0] < self._max_rows:
-            self._bias = torch.zeros(self._max_rows, self.kv.shape[-2], dtype=self.dtype, device=self.device)
-
-    @property
-    def _max_rows(self) -> int:
-        """Nodes one head step expands at most."""
-        shape = self.shape
-        if isinstance(shape, DynamicTree):
-            return shape.top_k
-        return len(shape.paths) if isinstance(shape, StaticTree) else 1
+        kv = self.kv
+        self.kv = grow_positions(kv, length, keep=len(self.history))
+        if self.kv is not kv:  # the graphs read and wrote the old cache
+            self._commit_graph.reset()
+            self._expand_graph.reset()
 
     def reset(self) -> None:
         super().reset()
@@ -302,56 +300,69 @@ class FeatureHeadDrafter(Drafter):
         self.root_log_probs: Tensor | None = None  # V', candidates for depth 1
         self._next_root: int | None = None  # the root the last commit announced
 
+    def _head_step(
+        self, features: Tensor, tokens: Tensor, positions: Tensor, write_index: Tensor, mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """One static head step over n positions: features 1×n×H, tokens and positions 1×n,
+        write_index n (where their entries go), mask n×(capacity+n) additive (the whole cache,
+        then these n). Returns their draft log-probs n×V' (fp32) and outputs 1×n×H."""
+        out, key, value = self._step(features, tokens, positions, mask, self.kv[0], self.kv[1])
+        self.kv[0].index_copy_(2, write_index, key)
+        self.kv[1].index_copy_(2, write_index, value)
+        logits = self.head.logits(out[0]) if self.shortlist is None else self.shortlist(out[0])
+        return logits.float().log_softmax(-1), out
+
+    def _commit_step(self, tokens, positions, write_index, mask, hidden, *aux) -> tuple[Tensor, Tensor]:
+        """:meth:`_head_step` on the target's features: hidden 1×n×H[, aux 1×n×k·H]."""
+        features = self.head.initial_features(hidden, aux[0] if aux else None)
+        return self._head_step(features, tokens, positions, write_index, mask)
+
+    def _mask(self, past: int, sees_drafts: Tensor | None, sees_own: Tensor) -> Tensor:
+        """n×(capacity+n) additive: every committed entry (< ``past``), the draft entries of this
+        round each row sees (n×S bool, written at past..past+S), and these n (n×n bool)."""
+        n, capacity = len(sees_own), self.kv.shape[-2]
+        mask = torch.full((n, capacity + n), float("-inf"), dtype=self.dtype, device=self.device)
+        mask[:, :past] = 0
+        if sees_drafts is not None:
+            mask[:, past : past + sees_drafts.shape[1]].masked_fill_(sees_drafts, 0)
+        mask[:, capacity:].masked_fill_(sees_own, 0)
+        return mask
+
     @torch.no_grad()
     def commit(self, tokens: list[int], target: TargetOutput, next_token: int) -> None:
         past, count = len(self.history), len(tokens)
         self._reserve(past + count + self._max_slots)
-        aux = None if target.aux is None else target.aux.to(self.device, self.dtype)[None]
-        features = self.head.initial_features(target.hidden.to(self.device, self.dtype)[None], aux)
-        following = torch.tensor([*tokens[1:], next_token], device=self.device)[None]
-        positions = torch.arange(past, past + count, device=self.device)[None]
-        mask = causal_mask(count, self.device, past).to(self.dtype)
-        output, key, value = self._step(
-            features, following, positions, mask, self.kv[0][..., :past, :], self.kv[1][..., :past, :]
-        )
-        self.kv[0][..., past : past + count, :] = key
-        self.kv[1][..., past : past + count, :] = value
+        inputs = [
+            torch.tensor([*tokens[1:], next_token], device=self.device)[None],
+            torch.arange(past, past + count, device=self.device)[None],
+            torch.arange(past, past + count, device=self.device),
+            self._mask(past, None, torch.ones(count, count, dtype=torch.bool, device=self.device).tril_()),
+            target.hidden.to(self.device, self.dtype)[None],
+        ]
+        if target.aux is not None:
+            inputs.append(target.aux.to(self.device, self.dtype)[None])
+        # A prompt's length does not recur: replay only what the decoding loop commits.
+        step = self._commit_graph if count <= self.max_depth + 1 else self._commit_graph.eager
+        log_probs, output = step(*inputs)
         super().commit(tokens, target, next_token)
         self.root_output = output[:, -1:]
         self._next_root = next_token
-        self.root_log_probs = self._log_probs(self.root_output[0], [[*self.history, next_token]])[0]
-
-    def _log_probs(self, outputs: Tensor, contexts: list[list[int]]) -> Tensor:
-        logits = self.head.logits(outputs) if self.shortlist is None else self.shortlist(outputs)
-        return self._filtered(contexts, 0, logits.float().log_softmax(-1), self.to_target)
+        self.root_log_probs = self._filtered([[*self.history, next_token]], 0, log_probs[-1:], self.to_target)[0]
 
     def _expand(
         self, features: Tensor, tokens: Tensor, depth: int, ancestors: Tensor, contexts: list[list[int]]
     ) -> tuple[Tensor, Tensor]:
         """One head step over n same-depth tree nodes: their draft log-probs n×V' and outputs
-        1×n×H. features 1×n×H (their parents' outputs), tokens n, ancestors n×S bool (which of
-        this round's S earlier draft entries each node sees). Their entries are written next."""
+        1×n×H (valid until the next step of n nodes). features 1×n×H (their parents' outputs),
+        tokens n, ancestors n×S bool (which of this round's S earlier draft entries each node
+        sees). Their entries are written next."""
         n, past, slots = len(tokens), len(self.history), self._slots
-        end = past + slots + n
-        block = self._bias[:n, past:end]
-        allowed = torch.cat([ancestors, torch.eye(n, dtype=torch.bool, device=self.device)], dim=1)
-        block.masked_fill_(~allowed, float("-inf"))
+        write_index = torch.arange(past + slots, past + slots + n, device=self.device)
         positions = torch.full((1, n), past - 1 + depth, device=self.device)
-        try:
-            out, key, value = self._step(
-                features,
-                tokens[None],
-                positions,
-                self._bias[:n, :end],
-                self.kv[0][..., : end - n, :],
-                self.kv[1][..., : end - n, :],
-            )
-        finally:
-            block.zero_()  # the buffer stays all-attend outside the block being used
-        self.kv[0][..., end - n : end, :] = key
-        self.kv[1][..., end - n : end, :] = value
+        mask = self._mask(past, ancestors, torch.eye(n, dtype=torch.bool, device=self.device))
+        log_probs, out = self._expand_graph(features, tokens[None], positions, write_index, mask)
         self._slots += n
-        return self._log_probs(out[0], contexts), out
+        return self._filtered(contexts, 0, log_probs, self.to_target), out
 
     @torch.no_grad()
     def draft(self, root: int, sampling: Sampling, generator: torch.Generator | None = None) -> Draft:
@@ -379,6 +390,7 @@ class FeatureHeadDrafter(Drafter):
             log_probs, out = self._expand(
                 features, tokens, growth.nodes[nodes[0]].depth, ancestors.to(self.device), contexts
             )
+            out = out.clone()  # a replayed step's outputs are overwritten by its next replay
             for i, n in enumerate(nodes):
                 outputs[n], slot_of[n] = out[:, i : i + 1], first + i
             return log_probs

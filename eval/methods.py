@@ -102,10 +102,12 @@ def build_method(
     typical: Typical,
     choose_shape: ShapeChooser | None = None,
     compile: bool = False,
+    graphs: bool = False,
 ) -> Method:
     """``heads(checkpoint)``, ``draft_model()`` and ``shortlist()`` load lazily (and cache);
     ``choose_shape`` resolves ``shape: {kind: auto}``; ``compile``: the target's and the
-    drafters' steps through ``torch.compile`` (not the HF baselines)."""
+    drafters' steps through ``torch.compile`` (not the HF baselines); ``graphs``: the target's
+    and the feature heads' steps replayed from CUDA graphs (:mod:`specdraft.eval.graphs`)."""
     kind = config.get("type")
     if kind not in METHOD_TYPES:
         raise ValueError(f"method {name}: type must be one of {METHOD_TYPES}, got {kind!r}")
@@ -129,21 +131,21 @@ def build_method(
         return plain
 
     if kind == "plain":
-        return Method(name, kind, plain_on(TargetRunner(target, compile=compile)))
+        return Method(name, kind, plain_on(TargetRunner(target, compile=compile, graphs=graphs)))
     if kind == "head":
         head = heads(config["checkpoint"])
         use_typical = bool(config.get("typical", False))
         if isinstance(head, MedusaHead):
-            runner = TargetRunner(target, compile=compile)
+            runner = TargetRunner(target, compile=compile, graphs=graphs)
             drafter_for: Callable[[TreeShape], Drafter] = lambda shape: MedusaDrafter(  # noqa: E731
                 head, shape, compile=compile
             )
         elif isinstance(head, FeatureHead):
             aux_layer_ids = head.spec.aux_layer_ids if isinstance(head, Eagle3Head) else ()
-            runner = TargetRunner(target, aux_layer_ids, compile=compile)
+            runner = TargetRunner(target, aux_layer_ids, compile=compile, graphs=graphs)
             words = shortlist() if config.get("shortlist", False) else None
             drafter_for = lambda shape: FeatureHeadDrafter(  # noqa: E731
-                head, shape, vocab_shortlist=words, compile=compile
+                head, shape, vocab_shortlist=words, compile=compile, graphs=graphs
             )
         else:
             raise ValueError(f"method {name}: unsupported head {type(head).__name__}")
@@ -163,7 +165,7 @@ def build_method(
         shape = Chain(depth=config.get("depth", 4), threshold=config.get("threshold"))
         model = draft_model()
         drafter = lambda: DraftModelDrafter(model, shape, compile=compile)  # noqa: E731
-        return Method(name, kind, decode_with(drafter, TargetRunner(target, compile=compile)))
+        return Method(name, kind, decode_with(drafter, TargetRunner(target, compile=compile, graphs=graphs)))
     if kind == "lookahead":
         keys = ("window", "ngram", "guesses", "pool_per_token")
         missing = [key for key in keys if key not in config]
@@ -171,7 +173,7 @@ def build_method(
             raise ValueError(f"method {name}: lookahead needs {list(keys)}; missing {missing}")
         settings = Lookahead(**{key: int(config[key]) for key in keys})
         drafter = lambda: LookaheadDrafter(settings)  # noqa: E731
-        generate = decode_with(drafter, TargetRunner(target, compile=compile))
+        generate = decode_with(drafter, TargetRunner(target, compile=compile, graphs=graphs))
         return Method(name, kind, generate, details={"lookahead": dataclasses.asdict(settings)})
     # HF generate
     prompt_lookup = config.get("prompt_lookup_tokens")

@@ -15,7 +15,12 @@ Built like gpt-fast, without copying modeling code:
   rejected entries are simply overwritten by the next forward;
 * EAGLE-3's aux layers come from transformers' own output recording (``output_hidden_states``
   with the selected indices; its hooks are installed once per model), the same convention as
-  feature extraction: id i = the stream entering decoder layer i.
+  feature extraction: id i = the stream entering decoder layer i;
+* ``graphs=True`` runs every forward with STATIC shapes — attention over the cache's whole
+  capacity under an n×capacity mask, keys and values written at positions given as a tensor — so
+  that on CUDA each step size (one token, a tree's node count) replays a CUDA graph
+  (:mod:`specdraft.eval.graphs`); the prompt runs the same static step eagerly. On a CPU the
+  static step runs eagerly (it is what the tests check), and is slower than the default.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdraft.data.target import Target
+from specdraft.eval.graphs import GraphedStep
 from specdraft.eval.kernels import compiled_step
 from specdraft.eval.trees import TreeBuffers
 
@@ -62,9 +68,13 @@ class _PositionalLayer(CacheLayerMixin):
         pass  # the storage is preallocated by the cache
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        keys, values = self.cache.storage[0, self.index], self.cache.storage[1, self.index]
+        if self.cache.write_index is not None:  # a static step: written by position, read whole
+            keys.index_copy_(2, self.cache.write_index, key_states)
+            values.index_copy_(2, self.cache.write_index, value_states)
+            return keys, values
         start = self.cache.write_at
         end = start + key_states.shape[-2]
-        keys, values = self.cache.storage[0, self.index], self.cache.storage[1, self.index]
         keys[:, :, start:end].copy_(key_states)
         values[:, :, start:end].copy_(value_states)
         return keys[:, :, :end], values[:, :, :end]
@@ -84,12 +94,15 @@ class PositionalKVCache(Cache):
 
     ``storage``: 2 × layers × 1 × kv_heads × capacity × head_dim (keys, then values). A forward
     writes its entries at ``write_at``; positions at or after ``write_at`` hold nothing that will
-    be read (attention only sees ``:write_at + n``), so dropping entries is moving the cursor."""
+    be read (attention only sees ``:write_at + n``), so dropping entries is moving the cursor.
+    A static step sets ``write_index`` (n int64) instead: its entries are written there and
+    attention reads the whole capacity, masked."""
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
         self.shape = (num_layers, kv_heads, head_dim)
         self.storage = torch.zeros(2, num_layers, 1, kv_heads, 0, head_dim, dtype=dtype, device=device)
         self.write_at = 0
+        self.write_index: Tensor | None = None
         super().__init__(layers=[_PositionalLayer(self, i) for i in range(num_layers)])
 
     @classmethod
@@ -146,9 +159,16 @@ class TargetRunner:
     the last logits, not yet run) is always outside the cache and is node 0 of the next
     verification. The cache and the mask buffer are kept between sequences. ``compile``: the
     decoder's forward through ``torch.compile`` (:func:`specdraft.eval.kernels.compiled_step`).
+    ``graphs``: static steps, replayed from CUDA graphs on CUDA (see the module docstring).
     """
 
-    def __init__(self, target: Target, aux_layer_ids: Sequence[int] = (), compile: bool = False) -> None:
+    def __init__(
+        self,
+        target: Target,
+        aux_layer_ids: Sequence[int] = (),
+        compile: bool = False,
+        graphs: bool = False,
+    ) -> None:
         self.target, self.model = target, target.model
         self.aux_layer_ids = tuple(aux_layer_ids)
         decoder = self.model.get_decoder()
@@ -159,6 +179,8 @@ class TargetRunner:
         self.device, self.dtype = target.device, target.dtype
         self._decoder = compiled_step(decoder) if compile else decoder
         self.cache = PositionalKVCache.for_model(self.model, self.dtype, self.device)
+        self.static = graphs
+        self._static_step = GraphedStep(self._step, enabled=graphs)
         # Additive tree mask rows × capacity: 0 everywhere except the current tree's block.
         self._bias = torch.zeros(0, 0, dtype=self.dtype, device=self.device)
         self._masked = torch.finfo(self.dtype).min
@@ -167,57 +189,89 @@ class TargetRunner:
 
     def reserve(self, length: int) -> None:
         """Make room for a sequence of ``length`` tokens (prompt + new tokens + draft depth)."""
+        storage = self.cache.storage
         self.cache.reserve(length)
+        if self.cache.storage is not storage:
+            self._static_step.reset()  # the graphs wrote into the old storage
 
-    @torch.no_grad()
-    def _forward(self, input_ids: Tensor, positions: Tensor, mask: Tensor | None) -> TargetOutput:
-        n = len(input_ids)
-        self.cache.reserve(self.length + n)
-        self.cache.write_at = self.length
+    def _step(self, input_ids: Tensor, positions: Tensor, write_index: Tensor | None, mask: Tensor | None):
+        """The target over n tokens: input_ids, positions 1×n; write_index n (a static step) or
+        None (written at ``cache.write_at``); mask 1×1×n×keys additive or None (causal). Returns
+        (logits n×V, hidden n×H[, aux n×k·H])."""
+        self.cache.write_index = write_index
         output = self._decoder(
-            input_ids=input_ids.to(self.device)[None],
-            position_ids=positions.to(self.device)[None],
+            input_ids=input_ids,
+            position_ids=positions,
             attention_mask=mask,
             past_key_values=self.cache,
             use_cache=True,
             output_hidden_states=list(self.aux_layer_ids) if self.aux_layer_ids else False,
         )
-        self.cache.write_at = self.length + n
         hidden = output.last_hidden_state[0]
         logits = self.model.get_output_embeddings()(hidden)  # target dtype: fp32 copies cost ms per tree
-        aux = None
-        if self.aux_layer_ids:
-            aux = torch.cat([output.hidden_states[i][0] for i in self.aux_layer_ids], dim=-1)
-        return TargetOutput(logits, hidden, aux)
+        if not self.aux_layer_ids:
+            return logits, hidden
+        return logits, hidden, torch.cat([output.hidden_states[i][0] for i in self.aux_layer_ids], dim=-1)
+
+    @torch.no_grad()
+    def _forward(self, input_ids: Tensor, positions: Tensor, visible: Tensor | None, replay: bool = True) -> TargetOutput:
+        """Run n tokens after the committed past; ``visible`` n×n bool: which of them each one
+        attends (None: causal)."""
+        n = len(input_ids)
+        self.reserve(self.length + n)
+        input_ids = input_ids.to(self.device)[None]
+        positions = positions.to(self.device)[None]
+        if self.static:
+            past = self.length
+            if visible is None:
+                visible = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
+            mask = torch.full((n, self.cache.capacity), self._masked, dtype=self.dtype, device=self.device)
+            mask[:, :past] = 0
+            mask[:, past : past + n].masked_fill_(visible.to(self.device, non_blocking=True), 0)
+            write_index = torch.arange(past, past + n, device=self.device)
+            step = self._static_step if replay else self._static_step.eager
+            outputs = step(input_ids, positions, write_index, mask[None, None])
+        else:
+            self.cache.write_at = self.length
+            mask = None
+            if visible is not None:
+                past = self.length
+                self._reserve_bias(n, past + n)
+                block = self._bias[:n, past : past + n]
+                block.masked_fill_(~visible.to(self.device, non_blocking=True), self._masked)
+                mask = self._bias[None, None, :n, : past + n]
+            try:
+                outputs = self._step(input_ids, positions, None, mask)
+            finally:
+                if visible is not None:
+                    block.zero_()  # these columns are the next step's committed past
+        self.cache.write_at = self.length + n
+        return TargetOutput(outputs[0], outputs[1], outputs[2] if len(outputs) > 2 else None)
 
     def prefill(self, input_ids: Tensor) -> TargetOutput:
         """Start a sequence: run the prompt (n tokens, causal); they are committed at once."""
         self.length, self._pending = 0, 0
-        output = self._forward(input_ids, torch.arange(len(input_ids)), None)
+        output = self._forward(input_ids, torch.arange(len(input_ids)), None, replay=False)
         self.length = len(input_ids)
         return output
 
     def extend(self, input_ids: Tensor) -> TargetOutput:
         """Run n more tokens causally after the committed past and commit them (plain decoding
-        is ``extend`` of one token; a new chat turn is ``extend`` of the turn's tokens)."""
+        is ``extend`` of one token; a new chat turn is ``extend`` of the turn's tokens: replayed
+        only when it is one token)."""
         self._pending = 0  # uncommitted entries are overwritten
-        output = self._forward(input_ids, self.length + torch.arange(len(input_ids)), None)
-        self.length += len(input_ids)
+        n = len(input_ids)
+        output = self._forward(input_ids, self.length + torch.arange(n), None, replay=n == 1)
+        self.length += n
         return output
 
     def verify(self, node_tokens: Tensor, tree: TreeBuffers) -> TargetOutput:
         """Run the n tree nodes (node 0 = the root) after the committed past. They stay in the
         cache, uncommitted, until :meth:`commit`."""
-        n, past = len(node_tokens), self.length
         self._pending = 0
-        self._reserve_bias(n, past + n)
-        block = self._bias[:n, past : past + n]
-        block.masked_fill_(~tree.attention_mask.to(self.device, non_blocking=True), self._masked)
-        try:
-            output = self._forward(node_tokens, past + tree.depths, self._bias[None, None, :n, : past + n])
-        finally:
-            block.zero_()  # these columns are the next step's committed past
-        self._pending = n
+        depths = tree.depths.to(self.device, non_blocking=True)
+        output = self._forward(node_tokens, self.length + depths, tree.attention_mask)
+        self._pending = len(node_tokens)
         return output
 
     def _reserve_bias(self, rows: int, columns: int) -> None:

@@ -323,6 +323,39 @@ def test_greedy_speculative_equals_plain_on_cuda():
     assert speculative_generate(TargetRunner(target), drafter, prompt, 32, Sampling(), ()).tokens == expected
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "shape",
+    ["chain", "static", "dynamic"],
+)
+def test_cuda_graph_replays_decode_exactly_like_eager_steps(shape):
+    """The static steps replayed from CUDA graphs (eval/graphs.py) give the eager decoder's
+    tokens, for plain decoding and for every tree shape of a feature head."""
+    from specdraft.eval.decode import plain_generate, speculative_generate
+    from specdraft.eval.drafters import Chain, DynamicTree, FeatureHeadDrafter, StaticTree
+    from specdraft.eval.runner import TargetRunner
+    from specdraft.eval.sampling import Sampling
+
+    target = tiny_random_target(seed=0)
+    target.model.to("cuda")
+    head = build_head("eagle", {}, target.spec, target_weights(target)).to("cuda").eval()
+    tree = {
+        "chain": Chain(depth=4),
+        "static": StaticTree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
+        "dynamic": DynamicTree(depth=3, top_k=3, total_tokens=8),
+    }[shape]
+    prompt = torch.randint(3, target.spec.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
+    expected = plain_generate(TargetRunner(target), prompt, 32, Sampling(), ()).tokens
+    plain_runner = TargetRunner(target, graphs=True)
+    assert plain_generate(plain_runner, prompt, 32, Sampling(), ()).tokens == expected
+    runner = TargetRunner(target, graphs=True)
+    drafter = FeatureHeadDrafter(head, tree, graphs=True)
+    for _ in range(2):  # the second sequence replays the graphs the first one captured
+        assert speculative_generate(runner, drafter, prompt, 32, Sampling(), ()).tokens == expected
+    assert plain_runner._static_step._graphs and runner._static_step._graphs, "nothing was replayed"
+
+
 def test_bench_medusa_methods_label_typical_acceptance_lossy(tmp_path):
     cfg = compose_bench(tmp_path, "bench", "methods=medusa", kind="medusa")
     report = run(cfg)

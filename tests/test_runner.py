@@ -1,5 +1,7 @@
 """Tree verification on the HF target equals running each path on its own; KV compaction keeps
-exactly the accepted path."""
+exactly the accepted path. Both runner modes: the default (attention over the committed prefix)
+and the static steps CUDA graphs replay (``graphs=True``: the whole cache, masked; run eagerly on
+a CPU)."""
 
 from __future__ import annotations
 
@@ -18,10 +20,11 @@ def fresh_logits(target, tokens: list[int]) -> torch.Tensor:
         return target.model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
 
 
-def test_tree_verify_and_commit_match_plain_forwards(tiny_target):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_tree_verify_and_commit_match_plain_forwards(tiny_target, graphs):
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, tiny_target.spec.vocab_size, (10,), generator=generator).tolist()
-    runner = TargetRunner(tiny_target)
+    runner = TargetRunner(tiny_target, graphs=graphs)
     output = runner.prefill(torch.tensor(prompt))
     logits, hidden = output.logits, output.hidden
     torch.testing.assert_close(logits[-1], fresh_logits(tiny_target, prompt), rtol=1e-5, atol=1e-5)
@@ -52,14 +55,15 @@ def test_tree_verify_and_commit_match_plain_forwards(tiny_target):
         torch.testing.assert_close(chain_logits[depth], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_runner_features_equal_offline_extraction(tiny_target):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_runner_features_equal_offline_extraction(tiny_target, graphs):
     """What the decoder feeds a head online (prefill, then verified and committed nodes) equals
     what training reads from the feature cache for the same tokens."""
     spec = tiny_target.spec
     tokens = torch.randint(3, spec.vocab_size, (14,), generator=torch.Generator().manual_seed(1))
     batch = TokenBatch(tokens[None], torch.ones(1, 14, dtype=torch.long), torch.ones(1, 14, dtype=torch.long))
     offline = extract_features(tiny_target, batch, aux_layer_ids=spec.aux_layer_ids)
-    runner = TargetRunner(tiny_target, spec.aux_layer_ids)
+    runner = TargetRunner(tiny_target, spec.aux_layer_ids, graphs=graphs)
     first = runner.prefill(tokens[:9])
     tree = tree_buffers([[0], [1], [0, 0], [0, 0, 0], [1, 0]])  # nodes: root, a, b, a0, b0, a00
     nodes = [tokens[9], tokens[10], 5, tokens[11], 7, tokens[12]]
@@ -74,8 +78,9 @@ def test_runner_features_equal_offline_extraction(tiny_target):
     assert runner.length == 14
 
 
-def test_commit_of_a_prefix_crops_the_rest(tiny_target):
-    runner = TargetRunner(tiny_target)
+@pytest.mark.parametrize("graphs", [False, True])
+def test_commit_of_a_prefix_crops_the_rest(tiny_target, graphs):
+    runner = TargetRunner(tiny_target, graphs=graphs)
     runner.prefill(torch.tensor([5, 6, 7]))
     runner.verify(torch.tensor([8, 9, 10, 11]), tree_buffers(chain_paths(3)))
     runner.commit([0, 1])
