@@ -347,7 +347,8 @@ class FeatureHeadDrafter(Drafter):
         super().commit(tokens, target, next_token)
         self.root_output = output[:, -1:]
         self._next_root = next_token
-        self.root_log_probs = self._filtered([[*self.history, next_token]], 0, log_probs[-1:], self.to_target)[0]
+        context = [[*self.history, next_token]]
+        self.root_log_probs = self._filtered(context, 0, log_probs[-1:], self.to_target)[0]
 
     def _expand(
         self, features: Tensor, tokens: Tensor, depth: int, ancestors: Tensor, contexts: list[list[int]]

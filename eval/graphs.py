@@ -32,6 +32,8 @@ WARMUP_RUNS = 2
 MAX_GRAPHS = 32
 
 Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
+# A captured graph, its static input buffers and its outputs.
+Captured = tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...], tuple[Tensor, ...]]
 
 
 class GraphedStep:
@@ -41,7 +43,7 @@ class GraphedStep:
 
     def __init__(self, step: Callable[..., tuple[Tensor, ...]], enabled: bool) -> None:
         self.step, self.enabled = step, enabled
-        self._graphs: dict[Signature, tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...], tuple[Tensor, ...]]] = {}
+        self._graphs: dict[Signature, Captured] = {}
         self._pool = None
 
     def reset(self) -> None:
@@ -66,7 +68,7 @@ class GraphedStep:
         graph.replay()
         return outputs
 
-    def _capture(self, inputs: tuple[Tensor, ...]):
+    def _capture(self, inputs: tuple[Tensor, ...]) -> Captured:
         static_inputs = tuple(x.clone() for x in inputs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -107,10 +107,15 @@ def build_method(
     """``heads(checkpoint)``, ``draft_model()`` and ``shortlist()`` load lazily (and cache);
     ``choose_shape`` resolves ``shape: {kind: auto}``; ``compile``: the target's and the
     drafters' steps through ``torch.compile`` (not the HF baselines); ``graphs``: the target's
-    and the feature heads' steps replayed from CUDA graphs (:mod:`specdraft.eval.graphs`)."""
+    and the feature heads' steps replayed from CUDA graphs (:mod:`specdraft.eval.graphs`) —
+    a method's own ``graphs: true|false`` overrides it (e.g. eager plain decoding next to the
+    graphed one, in the same interleaved run)."""
     kind = config.get("type")
     if kind not in METHOD_TYPES:
         raise ValueError(f"method {name}: type must be one of {METHOD_TYPES}, got {kind!r}")
+    graphs = config.get("graphs", graphs)
+    if not isinstance(graphs, bool):
+        raise ValueError(f"method {name}: graphs must be true or false, got {graphs!r}")
 
     def decode_with(make_drafter: Callable[[], Drafter], runner: TargetRunner, typical_rule=None) -> Generate:
         drafter = make_drafter()

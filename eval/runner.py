@@ -214,7 +214,9 @@ class TargetRunner:
         return logits, hidden, torch.cat([output.hidden_states[i][0] for i in self.aux_layer_ids], dim=-1)
 
     @torch.no_grad()
-    def _forward(self, input_ids: Tensor, positions: Tensor, visible: Tensor | None, replay: bool = True) -> TargetOutput:
+    def _forward(
+        self, input_ids: Tensor, positions: Tensor, visible: Tensor | None, replay: bool = True
+    ) -> TargetOutput:
         """Run n tokens after the committed past; ``visible`` n×n bool: which of them each one
         attends (None: causal)."""
         n = len(input_ids)

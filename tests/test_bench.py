@@ -80,7 +80,12 @@ def compose_bench(tmp_path: Path, config_name: str = "bench", *overrides: str, k
 
 
 def test_bench_runs_every_method_and_reports(tmp_path):
-    cfg = compose_bench(tmp_path)
+    # + the dynamic tree on the static steps CUDA graphs replay (run eagerly on a CPU)
+    static = (
+        "{type: head, checkpoint: ${checkpoint}, graphs: true,"
+        " shape: {kind: dynamic, depth: 3, top_k: 4, total_tokens: 12}}"
+    )
+    cfg = compose_bench(tmp_path, "bench", f"+methods.head_dynamic_static={static}")
     report = run(cfg)
     out = Path(cfg.paths.output_dir)
     assert (out / "report.json").is_file() and (out / "speedup.png").is_file()
@@ -93,7 +98,15 @@ def test_bench_runs_every_method_and_reports(tmp_path):
         assert set(section["head_dynamic"]["per_category"]) == {"writing", "coding"}
         assert section["plain"]["overall"]["turns"] == 3  # two questions, three turns
     greedy = results["T=0"]
-    for name in ("head_dynamic", "head_auto", "head_chain", "head_threshold", "draft_model", "hf_generate"):
+    for name in (
+        "head_dynamic",
+        "head_dynamic_static",
+        "head_auto",
+        "head_chain",
+        "head_threshold",
+        "draft_model",
+        "hf_generate",
+    ):
         # fp32 target: every lossless method reproduces plain greedy decoding exactly
         assert greedy[name]["lossless"]["exact_turns"] == 3, name
     head = greedy["head_dynamic"]["overall"]
