@@ -19,6 +19,7 @@ not, so callers run those through :meth:`GraphedStep.eager`.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 import torch
@@ -47,8 +48,10 @@ class GraphedStep:
         self._pool = None
 
     def reset(self) -> None:
-        """Forget every captured graph (a buffer the step reads or writes was reallocated)."""
+        """Forget every captured graph (a buffer the step reads or writes was reallocated), and
+        their memory pool: a pool whose graphs are all gone cannot take a new capture."""
         self._graphs.clear()
+        self._pool = None
 
     def eager(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         return self.step(*inputs)
@@ -79,8 +82,19 @@ class GraphedStep:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            outputs = self.step(*static_inputs)
+        # No garbage collection inside a capture: a collected CUDA graph (e.g. of a runner the
+        # shape probe dropped) resets itself, which invalidates the capture under way (seen on an
+        # H100). So collect first, then hold the collector off. "thread_local": CUDA calls of
+        # other threads do not invalidate it either.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                outputs = self.step(*static_inputs)
+        finally:
+            if collecting:
+                gc.enable()
         return graph, static_inputs, tuple(outputs)
 
 
