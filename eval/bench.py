@@ -124,6 +124,20 @@ def answer(
     return answers
 
 
+def warm_up(
+    target: Target, question: Question, methods: Sequence[Method], sampling: Sampling, seed: int
+) -> None:
+    """Every method answers the question's first turn once; nothing is kept."""
+    prompt = target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": question.turns[0]}],
+        add_generation_prompt=True,
+        return_dict=True,
+        return_tensors="pt",
+    )
+    for method in methods:
+        method.generate(prompt["input_ids"][0], sampling, seed)
+
+
 def record_of(
     method: Method,
     question: Question,
@@ -164,8 +178,13 @@ def run_benchmark(
     resume: bool = True,
     progress: bool = True,
     max_seconds: float | None = None,
+    warmup: bool = True,
 ) -> dict[str, Any]:
     """Run (or resume) the benchmark; write records.jsonl, report.json and the plots.
+
+    ``warmup``: before the first timed question every method answers its first turn once,
+    unrecorded, so one-time costs (CUDA graph captures, lazy kernel selection, a draft model's
+    first load) do not land on whichever method meets them first.
 
     ``max_seconds``: a time box. No question is started that would end past it (judged by the
     mean question so far); the report covers the questions done and says how many were left
@@ -179,6 +198,8 @@ def run_benchmark(
     if done:
         log.info("resuming %s: %d units done, %d to go", out_dir, len(done), len(units))
     box = _time_box(out_dir, max_seconds)
+    if warmup and units:
+        warm_up(target, units[0][0], methods, sampling_for(units[0][1]), seed)
     left = 0
     for done_here, (question, temperature) in enumerate(
         tqdm(units, desc="bench", unit="question", disable=not progress)

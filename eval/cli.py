@@ -135,6 +135,7 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
         resume=cfg.resume,
         progress=cfg.progress,
         max_seconds=60 * cfg.max_minutes if cfg.max_minutes is not None else None,
+        warmup=cfg.warmup,
     )
 
 

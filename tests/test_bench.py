@@ -389,3 +389,37 @@ def test_the_machine_record_names_the_gpu_beside_its_host(monkeypatch):
     assert info["accelerator"]["name"] == "NVIDIA H100 80GB HBM3"
     assert info["accelerator"]["device_type"] == "cuda" and info["hardware"]["device_type"] == "cpu"
     assert "accelerator" not in machine_info("cpu")
+
+
+def test_warm_up_runs_every_method_once_before_the_timed_questions_and_records_nothing(tmp_path, tiny_target):
+    from specdraft.eval.bench import run_benchmark
+    from specdraft.eval.decode import Generation
+    from specdraft.eval.methods import Method
+    from specdraft.eval.sampling import Sampling
+
+    calls = []
+
+    def method(name: str, kind: str) -> Method:
+        def generate(prompt_ids, sampling, seed):
+            calls.append(name)
+            return Generation([5, 6], 0.0, 0.01, "length")
+
+        return Method(name, kind, generate)
+
+    methods = [method("plain", "plain"), method("other", "hf")]
+    questions = [Question("q1", "writing", ("Hi", "More")), Question("q2", "coding", ("Code",))]
+
+    def bench(out: str, warmup: bool) -> list[dict]:
+        calls.clear()
+        run_benchmark(
+            tiny_target, questions, methods, [0.0], lambda t: Sampling(), tmp_path / out, {}, warmup=warmup
+        )
+        return [json.loads(line) for line in (tmp_path / out / RECORDS).read_text().splitlines()]
+
+    cold = bench("cold", warmup=False)
+    assert calls == ["plain", "plain", "other", "other", "plain", "other"]
+    warm = bench("warm", warmup=True)
+    # the two warm-ups come first
+    assert calls == ["plain", "other", "plain", "plain", "other", "other", "plain", "other"]
+    strip = lambda units: [[(r["method"], r["turn"]) for r in u["records"]] for u in units]  # noqa: E731
+    assert strip(warm) == strip(cold)  # the warm-up left no record
