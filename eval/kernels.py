@@ -80,8 +80,8 @@ def pack_linear_weights(model: nn.Module) -> int:
 def compiled_step(step: Step) -> Step:
     """``step`` (the target's decoder, a head's draft step) through ``torch.compile`` (inductor)
     with dynamic shapes: the past grows every step and trees differ in size, so static shapes
-    would recompile per step. CUDA graphs ("reduce-overhead") need static shapes — an attention
-    over the whole preallocated cache — which the runner does not have yet, so they are not used.
+    would recompile per step. CUDA graphs come from the runner's own static steps instead
+    (``graphs``, :mod:`specdraft.eval.graphs`), without a compiler.
 
     Packed linears (:class:`PackedLinear`) run as plain linears inside a compiled step. Measured
     on a 2-core AVX2 EPYC (SmolLM2 fp32, 2 threads): compiling the target took ~8 min and its

@@ -485,6 +485,7 @@ def doc(decoder_provenance: str | None = None) -> None:
             "python scripts/results.py --stages lookahead doc",
         ),
         (GPU_TITLE, gpu_section, "a GPU session: see docs/results/gpu_h100.json"),
+        (DECODER_GPU_TITLE, decoder_gpu_section, "a GPU session: see docs/results/decoder_gpu.json"),
         (
             TRAIN_SPEED_TITLE,
             train_speed_section,
@@ -849,6 +850,8 @@ LOOKAHEAD_TITLE = "## Lookahead decoding, HF prompt lookup and a trained head (`
 LOOKAHEAD_RUN = "lookahead"
 LOOKAHEAD_SNAPSHOT = "lookahead.json"
 GPU_TITLE = "## On one GPU: the quickstart, regeneration and the plain step (a lent H100)"
+DECODER_GPU_TITLE = "## The decoder on one GPU: CUDA graphs (a lent H100, second session)"
+DECODER_GPU_SNAPSHOT = "decoder_gpu.json"
 # the dynamic tree the decoder issue measures drafting overhead on (conf/methods/decoder.yaml)
 DECODER_TREE = "head_dynamic"
 
@@ -1303,8 +1306,8 @@ def gpu_section() -> list[str] | None:
     return lines
 
 
-def decoder_section() -> list[str] | None:
-    snapshot = read_json(SNAPSHOTS / "decoder.json")
+def decoder_section(name: str = "decoder.json") -> list[str] | None:
+    snapshot = read_json(SNAPSHOTS / name)
     if snapshot is None:
         return None
     results = snapshot["results"]["T=0"]
@@ -1375,6 +1378,40 @@ def decoder_section() -> list[str] | None:
             )
     lines.append("")
     return lines
+
+
+def decoder_gpu_section() -> list[str] | None:
+    """The decoder bench of the second GPU session (docs/results/decoder_gpu.json): CUDA graphs
+    against the eager steps, and what else that session measured."""
+    snapshot = read_json(SNAPSHOTS / DECODER_GPU_SNAPSHOT)
+    table = decoder_section(DECODER_GPU_SNAPSHOT)
+    if snapshot is None or table is None:
+        return None
+    session, results = snapshot["session"], snapshot["results"]["T=0"]
+    graphed, eager = results["plain"]["overall"], results["plain_eager"]["overall"]
+    regen = session["regen_auto"]
+    return [
+        f"At commit {session['commit']}; {session['software']}. Command: `{session['command']}`.",
+        "`plain` and the head methods replay CUDA graphs (`graphs: auto`, eval/graphs.py); "
+        "`plain_eager` is the same plain decoding without them. In bf16 a tree verification's "
+        "numerics differ from a one-token step's, so greedy outputs may part (the exactness "
+        "invariant is tested in fp32, on CUDA too).",
+        "",
+        *table,
+        f"**CUDA graphs**: the plain step {eager['verify_ms']:.1f} → {graphed['verify_ms']:.1f} ms "
+        f"({eager['tokens_per_s']:.1f} → {graphed['tokens_per_s']:.1f} tok/s). Speculation does not "
+        "pay yet on this GPU: the drafting and bookkeeping between the graphed steps (eager tensor "
+        "ops, host syncs, tree buffers) cost more than the target steps they save.",
+        "",
+        f"**`pytest -m gpu`**: {session['gpu_tests']}.",
+        "",
+        f"**Regeneration** with `batch_size: auto` / `chunk_size: auto` (`{regen['command']}`): "
+        f"{regen['batch_size_auto']} rows per batch, {regen['chunk_size_auto']} conversations per chunk; "
+        f"{regen['result']}.",
+        "",
+        "On the way: " + "; ".join(session["first_attempts"]) + ".",
+        "",
+    ]
 
 
 REGEN_RATE = re.compile(r"(\d+) tokens in (\d+) s = ([\d.]+) tokens/s")
