@@ -251,7 +251,7 @@ class FeatureHeadDrafter(Drafter):
         self.head = head
         self._step = compiled_step(head.step) if compile else head.step
         self._commit_graph = GraphedStep(self._commit_step, enabled=graphs)
-        self._expand_graph = GraphedStep(self._head_step, enabled=graphs)
+        self._expand_graph = GraphedStep(self._expand_step, enabled=graphs)
         self.name = type(head).__name__
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
@@ -302,20 +302,32 @@ class FeatureHeadDrafter(Drafter):
 
     def _head_step(
         self, features: Tensor, tokens: Tensor, positions: Tensor, write_index: Tensor, mask: Tensor
-    ) -> tuple[Tensor, Tensor]:
+    ) -> Tensor:
         """One static head step over n positions: features 1×n×H, tokens and positions 1×n,
         write_index n (where their entries go), mask n×(capacity+n) additive (the whole cache,
-        then these n). Returns their draft log-probs n×V' (fp32) and outputs 1×n×H."""
+        then these n). Writes their entries; returns their outputs 1×n×H."""
         out, key, value = self._step(features, tokens, positions, mask, self.kv[0], self.kv[1])
         self.kv[0].index_copy_(2, write_index, key)
         self.kv[1].index_copy_(2, write_index, value)
-        logits = self.head.logits(out[0]) if self.shortlist is None else self.shortlist(out[0])
-        return logits.float().log_softmax(-1), out
+        return out
+
+    def _draft_log_probs(self, outputs: Tensor) -> Tensor:
+        """n×H head outputs -> n×V' draft log-probs (fp32)."""
+        logits = self.head.logits(outputs) if self.shortlist is None else self.shortlist(outputs)
+        return logits.float().log_softmax(-1)
+
+    def _expand_step(self, features, tokens, positions, write_index, mask) -> tuple[Tensor, Tensor]:
+        """:meth:`_head_step` over tree nodes: their log-probs n×V' and outputs 1×n×H."""
+        out = self._head_step(features, tokens, positions, write_index, mask)
+        return self._draft_log_probs(out[0]), out
 
     def _commit_step(self, tokens, positions, write_index, mask, hidden, *aux) -> tuple[Tensor, Tensor]:
-        """:meth:`_head_step` on the target's features: hidden 1×n×H[, aux 1×n×k·H]."""
+        """:meth:`_head_step` on the target's features (hidden 1×n×H[, aux 1×n×k·H]): the LAST
+        position's log-probs 1×V' (the depth-1 candidates; the vocabulary projection is the
+        step's largest matmul, so the others are not projected) and the outputs 1×n×H."""
         features = self.head.initial_features(hidden, aux[0] if aux else None)
-        return self._head_step(features, tokens, positions, write_index, mask)
+        out = self._head_step(features, tokens, positions, write_index, mask)
+        return self._draft_log_probs(out[0, -1:]), out
 
     def _mask(self, past: int, sees_drafts: Tensor | None, sees_own: Tensor) -> Tensor:
         """n×(capacity+n) additive: every committed entry (< ``past``), the draft entries of this
@@ -348,7 +360,7 @@ class FeatureHeadDrafter(Drafter):
         self.root_output = output[:, -1:]
         self._next_root = next_token
         context = [[*self.history, next_token]]
-        self.root_log_probs = self._filtered(context, 0, log_probs[-1:], self.to_target)[0]
+        self.root_log_probs = self._filtered(context, 0, log_probs, self.to_target)[0]
 
     def _expand(
         self, features: Tensor, tokens: Tensor, depth: int, ancestors: Tensor, contexts: list[list[int]]

@@ -20,7 +20,8 @@ Built like gpt-fast, without copying modeling code:
   capacity under an n×capacity mask, keys and values written at positions given as a tensor — so
   that on CUDA each step size (one token, a tree's node count) replays a CUDA graph
   (:mod:`specdraft.eval.graphs`); the prompt runs the same static step eagerly. On a CPU the
-  static step runs eagerly (it is what the tests check), and is slower than the default.
+  static step runs eagerly (the tests check it there) and attends over more keys than it needs,
+  so CPUs keep the default (``graphs: auto``).
 """
 
 from __future__ import annotations
