@@ -33,6 +33,35 @@ def greedy_accept(candidates: Tensor, target_argmax: Tensor) -> tuple[Tensor, Te
     return row, accepted[row]
 
 
+def greedy_accept_tree(
+    tokens: Tensor, ancestors: Tensor, target_argmax: Tensor, max_depth: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Greedy acceptance on a tree given by its ancestor matrix, in fixed-shape tensor ops (no
+    host sync: a CUDA graph can hold it). tokens n (node 0 = the root), ancestors n×n bool (row
+    i: node i's ancestors and itself; ancestors come first), target_argmax n (the target's
+    argmax at each node, i.e. for the token after it).
+
+    A drafted node matches when its token is its parent's argmax; it is accepted when it and
+    every ancestor match. Siblings carry distinct tokens (the top-k of one distribution), so the
+    accepted nodes form one path; its deepest node is where the target's token comes from.
+    Returns (path max_depth+1: the accepted nodes in depth order, root first, padded with the
+    deepest; count: drafts accepted; next token), all on the inputs' device."""
+    n = len(tokens)
+    order = torch.arange(n, device=tokens.device)
+    depths = ancestors.sum(-1) - 1
+    # The parent is the deepest proper ancestor: the last one, as ancestors come first.
+    proper = ancestors & (order[:, None] != order[None, :])
+    parents = torch.where(proper, order, -1).amax(-1)
+    matches = (tokens == target_argmax[parents.clamp(min=0)]) | (parents < 0)
+    accepted = ~(ancestors & ~matches).any(-1)
+    deepest = torch.where(accepted, depths, -1).argmax()
+    # On a root-to-node path every node has its own depth: depth d goes to slot d (the nodes
+    # off the path to a slot past the end, which is dropped).
+    slots = torch.where(ancestors[deepest], depths, max_depth + 1)
+    path = deepest.expand(max_depth + 2).clone().scatter_(0, slots, order)[: max_depth + 1]
+    return path, depths[deepest], target_argmax[deepest]
+
+
 def _sample(probs: Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 

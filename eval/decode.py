@@ -9,6 +9,12 @@
 The acceptance rule follows the sampling settings: greedy matching at T=0; at T>0 speculative
 sampling for a sampled chain, recursive rejection sampling for a tree; Medusa's typical
 acceptance only when asked for, and it is lossy.
+
+At T=0, on a static runner (``graphs``) with a drafter whose rounds need nothing from the host,
+a step is two device calls and ONE host sync (:func:`_greedy_on_device`): the drafter's round
+(commit the accepted path, draft the next tree) and the target's greedy verification (verify,
+accept, move the accepted entries), each replayed from a CUDA graph; then the accepted tokens
+come back. Everything else in between runs on the host while the device works.
 """
 
 from __future__ import annotations
@@ -86,6 +92,25 @@ def _check_budget(runner: TargetRunner, prompt_ids: Tensor, max_new_tokens: int,
         )
 
 
+class _Stopwatch:
+    """Phase boundaries inside a step without a host sync: CUDA events on a GPU (read once the
+    sequence is done), the host clock elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> float | torch.cuda.Event:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, begin, end) -> float:
+        """Between two marks (on a GPU, once both were reached: after a sync)."""
+        return begin.elapsed_time(end) / 1000 if self.cuda else end - begin
+
+
 def device_clock(device: torch.device) -> float:
     """``time.perf_counter()`` once ``device`` has finished its queued work (CUDA runs ahead of
     the host)."""
@@ -132,6 +157,8 @@ def speculative_generate(
     typical: Typical | None = None,
 ) -> Generation:
     """Speculative decoding of one prompt; lossless unless ``typical`` is given."""
+    if sampling.greedy and typical is None and runner.static and drafter.rounds_on_device(sampling):
+        return _greedy_on_device(runner, drafter, prompt_ids, max_new_tokens, eos_ids)
     _check_budget(runner, prompt_ids, max_new_tokens, drafter.max_depth)
     runner.reserve(len(prompt_ids) + max_new_tokens + drafter.max_depth + 1)
     device = runner.target.device
@@ -170,6 +197,52 @@ def speculative_generate(
         )
     tokens, stop = _finish(tokens, max_new_tokens, eos_ids)  # cut what the last step accepted beyond the end
     return Generation(tokens, prefill_s, device_clock(device) - start, stop, steps)
+
+
+def _greedy_on_device(
+    runner: TargetRunner, drafter: Drafter, prompt_ids: Tensor, max_new_tokens: int, eos_ids: Collection[int]
+) -> Generation:
+    """Greedy speculative decoding with each step on the device (see the module docstring).
+    A step's record counts the drafter's round (the commit of the last accepted path included)
+    as drafting and the target's acceptance and cache move as verification."""
+    depth = drafter.max_depth
+    _check_budget(runner, prompt_ids, max_new_tokens, depth)
+    runner.reserve(len(prompt_ids) + max_new_tokens + depth + 1)
+    device = runner.target.device
+    start = device_clock(device)
+    output = runner.prefill(prompt_ids)
+    prefill_s = device_clock(device) - start
+    root = greedy_tokens(output.logits[-1]).item()
+    drafter.reset()
+    drafter.commit(prompt_ids.tolist(), output, root)
+    tokens, stop = [root], _finish([root], max_new_tokens, eos_ids)[1]
+    clock, marks = _Stopwatch(device), []
+    found, next_past, features = None, None, []  # what the last verification found, and where
+    while stop is None:
+        begin = clock.mark()
+        if found is None:
+            tree_tokens, ancestors = drafter.first_round(len(prompt_ids) + max_new_tokens)
+            # Room for the last tree: the cache (and the graphs on it) stay put until the end.
+            runner.reserve(len(prompt_ids) + max_new_tokens + max(len(tree_tokens), depth + 1))
+            past = torch.full((), runner.length, dtype=torch.long, device=device)
+        else:  # the path found at `past`, committed; the next tree after it
+            tree_tokens, ancestors = drafter.next_round(past, found, *features)
+            past = next_past
+        drafted = clock.mark()
+        found, next_past, *features = runner.verify_greedy(past, tree_tokens, ancestors, depth)
+        verified = clock.mark()
+        count, tree_depth, *follow = found.tolist()  # the step's one host sync
+        runner.advance(count)
+        tokens.extend(follow[: count + 1])
+        marks.append((len(tree_tokens), tree_depth, count, begin, drafted, verified, clock.mark()))
+        stop = _finish(tokens, max_new_tokens, eos_ids)[1]
+    total_s = device_clock(device) - start
+    steps = [
+        StepRecord(nodes, depth, count, clock.seconds(a, b), clock.seconds(b, c), clock.seconds(c, d))
+        for nodes, depth, count, a, b, c, d in marks
+    ]
+    tokens, stop = _finish(tokens, max_new_tokens, eos_ids)
+    return Generation(tokens, prefill_s, total_s, stop, steps)
 
 
 def _accept(

@@ -10,6 +10,10 @@ Every drafter follows the decode loop's rhythm (:mod:`specdraft.eval.decode`):
 * ``verified(target_output)``: the target's output over every node of that tree;
 * ``observe(drafted, accepted)``: feedback for adaptive policies.
 
+At T=0 a drafter whose rounds need nothing from the host (``rounds_on_device``) runs them on
+tensors instead: ``first_round`` after the prompt's commit, then ``next_round`` (commit what the
+target's greedy verification found + draft the next tree, one CUDA graph) every step.
+
 Tree shapes: :class:`Chain` (top-1 at T=0; sampled from the draft at T>0, for lossless
 speculative sampling; optionally cut by an adaptive confidence threshold), :class:`StaticTree`
 (paths of sibling ranks, e.g. Medusa choices) and :class:`DynamicTree` (EAGLE-2: expand the
@@ -170,6 +174,24 @@ class Drafter:
         """The target's output over the whole draft just verified (every node, accepted or not):
         lookahead decoding reads its next Jacobi iteration from it; the others need nothing."""
 
+    # -- rounds on the device (greedy decoding, fixed shapes; see decode.py) -------------------
+    def rounds_on_device(self, sampling: Sampling) -> bool:
+        """Whether this drafter can run greedy rounds on device tensors alone (:meth:`first_round`,
+        :meth:`next_round`): fixed-shape trees, no host-side state, nothing read back."""
+        return False
+
+    def first_round(self, length: int) -> tuple[Tensor, Tensor]:
+        """After :meth:`commit` of the prompt, for a sequence of up to ``length`` tokens: the
+        first tree, as (tokens n, ancestors n×n bool; node 0 the root)."""
+        raise NotImplementedError
+
+    def next_round(self, past: Tensor, found: Tensor, *features: Tensor) -> tuple[Tensor, Tensor]:
+        """Commit what :meth:`~specdraft.eval.runner.TargetRunner.verify_greedy` found when it
+        ran after ``past`` committed positions (its ``found``, and the target's features at the
+        positions it committed: past, past+1, …), and draft the next tree after them: (tokens
+        n, ancestors n×n)."""
+        raise NotImplementedError
+
     def observe(self, drafted: int, accepted: int) -> None:
         """Adapt the chain threshold: lower it after a fully accepted chain, raise it otherwise."""
         if self.threshold is None:
@@ -252,6 +274,7 @@ class FeatureHeadDrafter(Drafter):
         self._step = compiled_step(head.step) if compile else head.step
         self._commit_graph = GraphedStep(self._commit_step, enabled=graphs)
         self._expand_graph = GraphedStep(self._expand_step, enabled=graphs)
+        self._round_graph = GraphedStep(self._next_round_step, enabled=graphs)
         self.name = type(head).__name__
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
@@ -291,8 +314,8 @@ class FeatureHeadDrafter(Drafter):
         kv = self.kv
         self.kv = grow_positions(kv, length, keep=len(self.history))
         if self.kv is not kv:  # the graphs read and wrote the old cache
-            self._commit_graph.reset()
-            self._expand_graph.reset()
+            for graph in (self._commit_graph, self._expand_graph, self._round_graph):
+                graph.reset()
 
     def reset(self) -> None:
         super().reset()
@@ -321,22 +344,27 @@ class FeatureHeadDrafter(Drafter):
         out = self._head_step(features, tokens, positions, write_index, mask)
         return self._draft_log_probs(out[0]), out
 
-    def _commit_step(self, tokens, positions, write_index, mask, hidden, *aux) -> tuple[Tensor, Tensor]:
-        """:meth:`_head_step` on the target's features (hidden 1×n×H[, aux 1×n×k·H]): the LAST
-        position's log-probs 1×V' (the depth-1 candidates; the vocabulary projection is the
-        step's largest matmul, so the others are not projected) and the outputs 1×n×H."""
+    def _commit_step(self, tokens, positions, write_index, mask, last, hidden, *aux) -> tuple[Tensor, Tensor]:
+        """:meth:`_head_step` on the target's features (hidden 1×n×H[, aux 1×n×k·H]): the
+        log-probs 1×V' at row ``last`` (0-dim: the last committed position; its candidates are
+        depth 1's — the vocabulary projection is the step's largest matmul, so no other row is
+        projected) and the output there 1×1×H."""
         features = self.head.initial_features(hidden, aux[0] if aux else None)
         out = self._head_step(features, tokens, positions, write_index, mask)
-        return self._draft_log_probs(out[0, -1:]), out
+        root_output = out.index_select(1, last.view(1))
+        return self._draft_log_probs(root_output[0]), root_output
 
-    def _mask(self, past: int, sees_drafts: Tensor | None, sees_own: Tensor) -> Tensor:
-        """n×(capacity+n) additive: every committed entry (< ``past``), the draft entries of this
-        round each row sees (n×S bool, written at past..past+S), and these n (n×n bool)."""
+    def _mask(self, past: int | Tensor, sees_drafts: Tensor | None, sees_own: Tensor) -> Tensor:
+        """n×(capacity+n) additive: every committed entry (< ``past``, an int or a 0-dim tensor),
+        the draft entries of this round each row sees (n×S bool, written at past..past+S), and
+        these n (n×n bool)."""
         n, capacity = len(sees_own), self.kv.shape[-2]
         mask = torch.full((n, capacity + n), float("-inf"), dtype=self.dtype, device=self.device)
-        mask[:, :past] = 0
+        mask[:, :capacity].masked_fill_(torch.arange(capacity, device=self.device) < past, 0)
         if sees_drafts is not None:
-            mask[:, past : past + sees_drafts.shape[1]].masked_fill_(sees_drafts, 0)
+            slots = sees_drafts.shape[1]
+            columns = (past + torch.arange(slots, device=self.device)).expand(n, slots)
+            mask.scatter_(1, columns, torch.where(sees_drafts, 0, float("-inf")).to(self.dtype))
         mask[:, capacity:].masked_fill_(sees_own, 0)
         return mask
 
@@ -349,31 +377,40 @@ class FeatureHeadDrafter(Drafter):
             torch.arange(past, past + count, device=self.device)[None],
             torch.arange(past, past + count, device=self.device),
             self._mask(past, None, torch.ones(count, count, dtype=torch.bool, device=self.device).tril_()),
+            torch.full((), count - 1, device=self.device),
             target.hidden.to(self.device, self.dtype)[None],
         ]
         if target.aux is not None:
             inputs.append(target.aux.to(self.device, self.dtype)[None])
         # A prompt's length does not recur: replay only what the decoding loop commits.
         step = self._commit_graph if count <= self.max_depth + 1 else self._commit_graph.eager
-        log_probs, output = step(*inputs)
+        log_probs, self.root_output = step(*inputs)
         super().commit(tokens, target, next_token)
-        self.root_output = output[:, -1:]
         self._next_root = next_token
         context = [[*self.history, next_token]]
         self.root_log_probs = self._filtered(context, 0, log_probs, self.to_target)[0]
 
     def _expand(
-        self, features: Tensor, tokens: Tensor, depth: int, ancestors: Tensor, contexts: list[list[int]]
+        self,
+        past: int | Tensor,
+        features: Tensor,
+        tokens: Tensor,
+        depth: int,
+        ancestors: Tensor,
+        contexts: list[list[int]],
+        graphed: bool = True,
     ) -> tuple[Tensor, Tensor]:
-        """One head step over n same-depth tree nodes: their draft log-probs n×V' and outputs
-        1×n×H (valid until the next step of n nodes). features 1×n×H (their parents' outputs),
-        tokens n, ancestors n×S bool (which of this round's S earlier draft entries each node
-        sees). Their entries are written next."""
-        n, past, slots = len(tokens), len(self.history), self._slots
-        write_index = torch.arange(past + slots, past + slots + n, device=self.device)
-        positions = torch.full((1, n), past - 1 + depth, device=self.device)
+        """One head step over n same-depth tree nodes after ``past`` committed positions: their
+        draft log-probs n×V' and outputs 1×n×H (valid until the next step of n nodes). features
+        1×n×H (their parents' outputs), tokens n, ancestors n×S bool (which of this round's S
+        earlier draft entries each node sees). Their entries are written next. ``graphed``: the
+        step replays its own graph (not inside a graph being captured)."""
+        n, slots = len(tokens), self._slots
+        write_index = past + slots + torch.arange(n, device=self.device)
+        positions = (past - 1 + depth) + torch.zeros(1, n, dtype=torch.long, device=self.device)
         mask = self._mask(past, ancestors, torch.eye(n, dtype=torch.bool, device=self.device))
-        log_probs, out = self._expand_graph(features, tokens[None], positions, write_index, mask)
+        step = self._expand_graph if graphed else self._expand_step
+        log_probs, out = step(features, tokens[None], positions, write_index, mask)
         self._slots += n
         return self._filtered(contexts, 0, log_probs, self.to_target), out
 
@@ -383,7 +420,10 @@ class FeatureHeadDrafter(Drafter):
             raise ValueError(f"draft(root={root}) but the last commit announced root {self._next_root}")
         self._slots = 0
         if isinstance(self.shape, DynamicTree):
-            return self._dynamic(root, self.shape)
+            tokens, ancestors = self._dynamic(
+                len(self.history), root, self.root_output, self.root_log_probs, self.shape, graphed=True
+            )
+            return Draft(tokens, tree_from_ancestors(ancestors))
         growth = _Growth([_Node(root, -1, 0, ())])
         outputs = {0: self.root_output}
         slot_of: dict[int, int] = {}  # expanded node -> its draft entry
@@ -401,7 +441,12 @@ class FeatureHeadDrafter(Drafter):
             contexts = [growth.context(self.history, n) for n in nodes] if self.score_filter else []
             first = self._slots
             log_probs, out = self._expand(
-                features, tokens, growth.nodes[nodes[0]].depth, ancestors.to(self.device), contexts
+                len(self.history),
+                features,
+                tokens,
+                growth.nodes[nodes[0]].depth,
+                ancestors.to(self.device),
+                contexts,
             )
             out = out.clone()  # a replayed step's outputs are overwritten by its next replay
             for i, n in enumerate(nodes):
@@ -436,22 +481,88 @@ class FeatureHeadDrafter(Drafter):
                         by_path[(*parent_path, rank)] = node
         return growth.draft(list(range(1, len(growth.nodes))), self._memoised_tree)
 
-    def _dynamic(self, root: int, shape: DynamicTree) -> Draft:
-        """EAGLE-2 on tensors. Candidates are numbered as they are created — the root, the top_k
-        depth-1 nodes, then top_k² children per depth — so a node's ancestors always come first
-        and row i of ``ancestors`` (ancestors and itself) lists node i's path in order."""
+    @property
+    def _device_shape(self) -> DynamicTree | None:
+        """The shape as a dynamic tree, when rounds can run on the device: a dynamic tree, or a
+        chain without a threshold (a dynamic tree of top_k 1)."""
+        shape = self.shape
+        if isinstance(shape, Chain) and shape.threshold is None:
+            return DynamicTree(depth=shape.depth, top_k=1, total_tokens=shape.depth + 1)
+        return shape if isinstance(shape, DynamicTree) else None
+
+    def rounds_on_device(self, sampling: Sampling) -> bool:
+        return sampling.greedy and self.score_filter is None and self._device_shape is not None
+
+    @torch.no_grad()
+    def first_round(self, length: int) -> tuple[Tensor, Tensor]:
+        # Room for the last commit's padded rows and the drafts after it: nothing reallocates
+        # (and invalidates the graphs) mid-sequence.
+        self._reserve(length + self.max_depth + 1 + self._max_slots)
+        self._slots = 0
+        return self._dynamic(
+            len(self.history),
+            self._next_root,
+            self.root_output,
+            self.root_log_probs,
+            self._device_shape,
+            True,
+        )
+
+    @torch.no_grad()
+    def next_round(self, past: Tensor, found: Tensor, *features: Tensor) -> tuple[Tensor, Tensor]:
+        return self._round_graph(past, found, *features)
+
+    def _next_round_step(
+        self, past: Tensor, found: Tensor, hidden: Tensor, *aux: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`next_round` as one fixed-shape step: the max_depth+1 committed rows (those past
+        the accepted count are padding, written beyond the committed past and never read), then
+        the tree after them."""
+        rows, count = len(hidden), found[0]
+        written = past + torch.arange(rows, device=self.device)
+        causal = torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril_()
+        log_probs, root_output = self._commit_step(
+            found[2:][None],
+            written[None],
+            written,
+            self._mask(past, None, causal),
+            count,
+            hidden.to(self.dtype)[None],
+            *(a.to(self.dtype)[None] for a in aux),
+        )
+        self._slots = 0
+        return self._dynamic(
+            past + count + 1, found[2:][count], root_output, log_probs[0], self._device_shape, graphed=False
+        )
+
+    def _dynamic(
+        self,
+        past: int | Tensor,
+        root: int | Tensor,
+        root_output: Tensor,
+        root_log_probs: Tensor,
+        shape: DynamicTree,
+        graphed: bool,
+    ) -> tuple[Tensor, Tensor]:
+        """EAGLE-2 on tensors after ``past`` committed positions, from the root (a token, or a
+        0-dim tensor), the head's output there (1×1×H) and its depth-1 log-probs (V'). Returns
+        the kept nodes' tokens n and ancestor matrix n×n (node 0 the root).
+
+        Candidates are numbered as they are created — the root, the top_k depth-1 nodes, then
+        top_k² children per depth — so a node's ancestors always come first and row i of
+        ``ancestors`` (ancestors and itself) lists node i's path in order."""
         k, device = shape.top_k, self.device
         count = 1 + k + (shape.depth - 1) * k * k
         tokens = torch.empty(count, dtype=torch.long, device=device)
         scores = torch.empty(count, dtype=torch.float32, device=device)
         ancestors = torch.zeros(count, count, dtype=torch.bool, device=device)
         tokens[0], scores[0], ancestors[0, 0] = root, 0.0, True
-        top = self.root_log_probs.topk(k)
+        top = root_log_probs.topk(k)
         frontier = torch.arange(1, k + 1, device=device)
         tokens[frontier], scores[frontier] = self.to_target[top.indices], top.values
         ancestors[frontier, 0] = True
         ancestors[frontier, frontier] = True
-        features = self.root_output.expand(1, k, -1)
+        features = root_output.expand(1, k, -1)
         frontier_sees = torch.zeros(k, 0, dtype=torch.bool, device=device)  # earlier draft entries
         created = 1 + k
         for depth in range(1, shape.depth):
@@ -460,7 +571,9 @@ class FeatureHeadDrafter(Drafter):
                 if self.score_filter
                 else []
             )
-            log_probs, out = self._expand(features, tokens[frontier], depth, frontier_sees, contexts)
+            log_probs, out = self._expand(
+                past, features, tokens[frontier], depth, frontier_sees, contexts, graphed
+            )
             top = log_probs.topk(k, dim=-1)  # k×k: each frontier node's best children
             child_scores = (scores[frontier, None] + top.values).flatten()
             children = torch.arange(created, created + k * k, device=device)
@@ -481,7 +594,7 @@ class FeatureHeadDrafter(Drafter):
         keep = min(shape.total_tokens - 1, created - 1)
         order = torch.sort(scores[1:created], descending=True, stable=True).indices[:keep] + 1
         nodes = torch.cat([torch.zeros(1, dtype=torch.long, device=device), order.sort().values])
-        return Draft(tokens[nodes], tree_from_ancestors(ancestors[nodes][:, nodes]))
+        return tokens[nodes], ancestors[nodes][:, nodes]
 
 
 class MedusaDrafter(Drafter):

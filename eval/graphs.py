@@ -32,15 +32,18 @@ WARMUP_RUNS = 2
 # static buffers alive).
 MAX_GRAPHS = 32
 
-Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
-# A captured graph, its static input buffers and its outputs.
+# Per argument: (shape, dtype) of a tensor, or the value of a constant (an int the step is
+# specialised on, e.g. a tree's depth).
+Signature = tuple[tuple[tuple[int, ...], torch.dtype] | int, ...]
+# A captured graph, its static input buffers (one per tensor argument) and its outputs.
 Captured = tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...], tuple[Tensor, ...]]
 
 
 class GraphedStep:
-    """``step(*tensors) -> tuple of tensors`` replayed from CUDA graphs when ``enabled`` (and on
-    CUDA); otherwise called as is. The outputs of a replay are the graph's buffers: copy what
-    must outlive the next call."""
+    """``step(*arguments) -> tuple of tensors`` replayed from CUDA graphs when ``enabled`` (and on
+    CUDA); otherwise called as is. Arguments are tensors (copied into the graph's buffers) or
+    ints (constants: part of the signature, baked into the graph). The outputs of a replay are
+    the graph's buffers: copy what must outlive the next call."""
 
     def __init__(self, step: Callable[..., tuple[Tensor, ...]], enabled: bool) -> None:
         self.step, self.enabled = step, enabled
@@ -53,31 +56,32 @@ class GraphedStep:
         self._graphs.clear()
         self._pool = None
 
-    def eager(self, *inputs: Tensor) -> tuple[Tensor, ...]:
+    def eager(self, *inputs: Tensor | int) -> tuple[Tensor, ...]:
         return self.step(*inputs)
 
-    def __call__(self, *inputs: Tensor) -> tuple[Tensor, ...]:
+    def __call__(self, *inputs: Tensor | int) -> tuple[Tensor, ...]:
         if not self.enabled or inputs[0].device.type != "cuda":
             return self.step(*inputs)
-        signature = tuple((tuple(x.shape), x.dtype) for x in inputs)
+        signature = tuple((tuple(x.shape), x.dtype) if isinstance(x, Tensor) else x for x in inputs)
         captured = self._graphs.get(signature)
         if captured is None:
             if len(self._graphs) >= MAX_GRAPHS:
                 return self.step(*inputs)
             captured = self._graphs[signature] = self._capture(inputs)
         graph, static_inputs, outputs = captured
-        for buffer, x in zip(static_inputs, inputs, strict=True):
+        for buffer, x in zip(static_inputs, (x for x in inputs if isinstance(x, Tensor)), strict=True):
             buffer.copy_(x)
         graph.replay()
         return outputs
 
-    def _capture(self, inputs: tuple[Tensor, ...]) -> Captured:
-        static_inputs = tuple(x.clone() for x in inputs)
+    def _capture(self, inputs: tuple[Tensor | int, ...]) -> Captured:
+        arguments = tuple(x.clone() if isinstance(x, Tensor) else x for x in inputs)
+        static_inputs = tuple(x for x in arguments if isinstance(x, Tensor))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_RUNS):
-                self.step(*static_inputs)
+                self.step(*arguments)
         torch.cuda.current_stream().wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -91,7 +95,7 @@ class GraphedStep:
         gc.disable()
         try:
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                outputs = self.step(*static_inputs)
+                outputs = self.step(*arguments)
         finally:
             if collecting:
                 gc.enable()

@@ -34,8 +34,10 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdraft.data.target import Target
+from specdraft.eval.acceptance import greedy_accept_tree
 from specdraft.eval.graphs import GraphedStep
 from specdraft.eval.kernels import compiled_step
+from specdraft.eval.sampling import greedy_tokens
 from specdraft.eval.trees import TreeBuffers
 
 # The cache grows in steps of this many positions when a sequence outgrows it (a reallocation and
@@ -131,6 +133,11 @@ class PositionalKVCache(Cache):
         """Keep the first ``length`` positions."""
         self.write_at = min(self.write_at, length)
 
+    def move_index(self, source: Tensor, destination: Tensor) -> None:
+        """Copy the entries at positions ``source`` to positions ``destination`` (k int64 each,
+        tensors on the device: no host sync), every layer's keys and values at once."""
+        self.storage.index_copy_(-2, destination, self.storage.index_select(-2, source))
+
     def move(self, source: Tensor, destination: int) -> None:
         """Copy the entries at positions ``source`` (k int64, increasing) to ``destination ..
         destination+k``, every layer's keys and values in one gather/copy."""
@@ -182,6 +189,7 @@ class TargetRunner:
         self.cache = PositionalKVCache.for_model(self.model, self.dtype, self.device)
         self.static = graphs
         self._static_step = GraphedStep(self._step, enabled=graphs)
+        self._greedy_graph = GraphedStep(self._verify_greedy_step, enabled=graphs)
         # Additive tree mask rows × capacity: 0 everywhere except the current tree's block.
         self._bias = torch.zeros(0, 0, dtype=self.dtype, device=self.device)
         self._masked = torch.finfo(self.dtype).min
@@ -192,8 +200,9 @@ class TargetRunner:
         """Make room for a sequence of ``length`` tokens (prompt + new tokens + draft depth)."""
         storage = self.cache.storage
         self.cache.reserve(length)
-        if self.cache.storage is not storage:
-            self._static_step.reset()  # the graphs wrote into the old storage
+        if self.cache.storage is not storage:  # the graphs wrote into the old storage
+            self._static_step.reset()
+            self._greedy_graph.reset()
 
     def _step(self, input_ids: Tensor, positions: Tensor, write_index: Tensor | None, mask: Tensor | None):
         """The target over n tokens: input_ids, positions 1×n; write_index n (a static step) or
@@ -225,15 +234,12 @@ class TargetRunner:
         input_ids = input_ids.to(self.device)[None]
         positions = positions.to(self.device)[None]
         if self.static:
-            past = self.length
             if visible is None:
                 visible = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
-            mask = torch.full((n, self.cache.capacity), self._masked, dtype=self.dtype, device=self.device)
-            mask[:, :past] = 0
-            mask[:, past : past + n].masked_fill_(visible.to(self.device, non_blocking=True), 0)
-            write_index = torch.arange(past, past + n, device=self.device)
+            mask = self._static_mask(self.length, visible.to(self.device, non_blocking=True))
+            write_index = torch.arange(self.length, self.length + n, device=self.device)
             step = self._static_step if replay else self._static_step.eager
-            outputs = step(input_ids, positions, write_index, mask[None, None])
+            outputs = step(input_ids, positions, write_index, mask)
         else:
             self.cache.write_at = self.length
             mask = None
@@ -250,6 +256,17 @@ class TargetRunner:
                     block.zero_()  # these columns are the next step's committed past
         self.cache.write_at = self.length + n
         return TargetOutput(outputs[0], outputs[1], outputs[2] if len(outputs) > 2 else None)
+
+    def _static_mask(self, past: int | Tensor, visible: Tensor) -> Tensor:
+        """1×1×n×capacity additive mask of a static step over n tokens written at ``past ..
+        past+n`` (an int, or a 0-dim tensor on the device): the committed past, and among the n
+        what ``visible`` (n×n bool) allows."""
+        n, capacity = len(visible), self.cache.capacity
+        columns = torch.arange(capacity, device=self.device)
+        mask = torch.full((n, capacity), self._masked, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(columns < past, 0)
+        block = torch.where(visible, 0, self._masked).to(self.dtype)
+        return mask.scatter_(1, (past + torch.arange(n, device=self.device)).expand(n, n), block)[None, None]
 
     def prefill(self, input_ids: Tensor) -> TargetOutput:
         """Start a sequence: run the prompt (n tokens, causal); they are committed at once."""
@@ -276,6 +293,46 @@ class TargetRunner:
         output = self._forward(node_tokens, self.length + depths, tree.attention_mask)
         self._pending = len(node_tokens)
         return output
+
+    def verify_greedy(
+        self, past: Tensor, tokens: Tensor, ancestors: Tensor, max_depth: int
+    ) -> tuple[Tensor, ...]:
+        """Verify a tree, accept greedily and commit, on the device (a static runner only): one
+        CUDA graph per tree size, nothing read back. past: 0-dim, the committed length; tokens
+        n (node 0 = the root); ancestors n×n bool (:func:`~specdraft.eval.acceptance.
+        greedy_accept_tree`); ``max_depth``: the deepest a tree of this drafter goes.
+
+        Returns (found, past', hidden[, aux]): found max_depth+3 int64 = [accepted drafts c, the
+        tree's depth, then the token after each of the max_depth+1 committed positions: the c
+        accepted drafts, the target's next token, padding]; past' = past + c + 1; hidden
+        (max_depth+1)×H[, aux (max_depth+1)×k·H] the target's features at those positions (rows
+        past c+1 are padding). The host learns c from ``found`` (the step's one sync) and then
+        calls :meth:`advance`."""
+        if not self.static:
+            raise RuntimeError("verify_greedy runs static steps: build the runner with graphs=True")
+        self.reserve(int(self.length) + max(len(tokens), max_depth + 1))
+        return self._greedy_graph(past, tokens, ancestors, max_depth)
+
+    def _verify_greedy_step(self, past: Tensor, tokens: Tensor, ancestors: Tensor, max_depth: int):
+        n = len(tokens)
+        depths = ancestors.sum(-1) - 1
+        written = past + torch.arange(n, device=self.device)
+        logits, *features = self._step(
+            tokens[None], (past + depths)[None], written, self._static_mask(past, ancestors)
+        )
+        path, count, next_token = greedy_accept_tree(tokens, ancestors, greedy_tokens(logits), max_depth)
+        # The path's entries to past .. past+max_depth (the padding lands beyond what is committed).
+        self.cache.move_index(past + path, past + torch.arange(max_depth + 1, device=self.device))
+        ahead = torch.arange(max_depth + 1, device=self.device)
+        follow = torch.where(ahead < count, tokens[torch.cat([path[1:], path[-1:]])], next_token)
+        found = torch.cat([count[None], depths.max()[None], follow])
+        return (found, past + count + 1, *(rows[path] for rows in features))
+
+    def advance(self, count: int) -> None:
+        """The host's side of a :meth:`verify_greedy`: ``count`` drafts were accepted there."""
+        self.length += count + 1
+        self.cache.write_at = self.length
+        self._pending = 0
 
     def _reserve_bias(self, rows: int, columns: int) -> None:
         have_rows, have_columns = self._bias.shape
