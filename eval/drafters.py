@@ -532,7 +532,12 @@ class FeatureHeadDrafter(Drafter):
         )
         self._slots = 0
         return self._dynamic(
-            past + count + 1, found[2:][count], root_output, log_probs[0], self._device_shape, graphed=False
+            past + count + 1,
+            found[2:].index_select(0, count.view(1))[0],  # (a 0-dim index would be read on the host)
+            root_output,
+            log_probs[0],
+            self._device_shape,
+            graphed=False,
         )
 
     def _dynamic(
@@ -580,7 +585,7 @@ class FeatureHeadDrafter(Drafter):
             created += k * k
             tokens[children] = self.to_target[top.indices.flatten()]
             scores[children] = child_scores
-            ancestors[children] = ancestors[frontier].repeat_interleave(k, dim=0)
+            ancestors[children] = ancestors[frontier, None].expand(k, k, count).reshape(k * k, count)
             ancestors[children, children] = True
             # The next frontier: the k best children overall, in creation order.
             best = child_scores.topk(k).indices.sort().values
