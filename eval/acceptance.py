@@ -51,14 +51,14 @@ def greedy_accept_tree(
     depths = ancestors.sum(-1) - 1
     # The parent is the deepest proper ancestor: the last one, as ancestors come first.
     proper = ancestors & (order[:, None] != order[None, :])
-    parents = torch.where(proper, order, -1).amax(-1)
+    parents = order.expand(n, n).masked_fill(~proper, -1).amax(-1)
     matches = (tokens == target_argmax[parents.clamp(min=0)]) | (parents < 0)
     accepted = ~(ancestors & ~matches).any(-1)
     # A 1-element index, not a 0-dim one: indexing by a 0-dim tensor reads it on the host.
-    deepest = torch.where(accepted, depths, -1).argmax().view(1)
+    deepest = depths.masked_fill(~accepted, -1).argmax().view(1)
     # On a root-to-node path every node has its own depth: depth d goes to slot d (the nodes
     # off the path to a slot past the end, which is dropped).
-    slots = torch.where(ancestors.index_select(0, deepest)[0], depths, max_depth + 1)
+    slots = depths.masked_fill(~ancestors.index_select(0, deepest)[0], max_depth + 1)
     path = deepest.expand(max_depth + 2).clone().scatter_(0, slots, order)[: max_depth + 1]
     return path, depths.index_select(0, deepest)[0], target_argmax.index_select(0, deepest)[0]
 

@@ -364,7 +364,8 @@ class FeatureHeadDrafter(Drafter):
         if sees_drafts is not None:
             slots = sees_drafts.shape[1]
             columns = (past + torch.arange(slots, device=self.device)).expand(n, slots)
-            mask.scatter_(1, columns, torch.where(sees_drafts, 0, float("-inf")).to(self.dtype))
+            seen = torch.full((n, slots), float("-inf"), dtype=self.dtype, device=self.device)
+            mask.scatter_(1, columns, seen.masked_fill_(sees_drafts, 0))
         mask[:, capacity:].masked_fill_(sees_own, 0)
         return mask
 
@@ -558,15 +559,17 @@ class FeatureHeadDrafter(Drafter):
         ``ancestors`` (ancestors and itself) lists node i's path in order."""
         k, device = shape.top_k, self.device
         count = 1 + k + (shape.depth - 1) * k * k
-        tokens = torch.empty(count, dtype=torch.long, device=device)
-        scores = torch.empty(count, dtype=torch.float32, device=device)
-        ancestors = torch.zeros(count, count, dtype=torch.bool, device=device)
-        tokens[0], scores[0], ancestors[0, 0] = root, 0.0, True
+        # No Python scalars written into device tensors by indexing (a copy from the host, which a
+        # CUDA capture forbids): fills, and masks built on the device.
+        identity = torch.eye(count, dtype=torch.bool, device=device)
+        tokens = torch.zeros(count, dtype=torch.long, device=device)
+        tokens[0].fill_(root)
+        scores = torch.zeros(count, dtype=torch.float32, device=device)
+        ancestors = identity.clone()  # every node sees itself
+        ancestors[1 : k + 1, 0].fill_(True)  # the depth-1 nodes descend from the root
         top = root_log_probs.topk(k)
         frontier = torch.arange(1, k + 1, device=device)
         tokens[frontier], scores[frontier] = self.to_target[top.indices], top.values
-        ancestors[frontier, 0] = True
-        ancestors[frontier, frontier] = True
         features = root_output.expand(1, k, -1)
         frontier_sees = torch.zeros(k, 0, dtype=torch.bool, device=device)  # earlier draft entries
         created = 1 + k
@@ -585,8 +588,8 @@ class FeatureHeadDrafter(Drafter):
             created += k * k
             tokens[children] = self.to_target[top.indices.flatten()]
             scores[children] = child_scores
-            ancestors[children] = ancestors[frontier, None].expand(k, k, count).reshape(k * k, count)
-            ancestors[children, children] = True
+            parent_rows = ancestors[frontier, None].expand(k, k, count).reshape(k * k, count)
+            ancestors[children] = parent_rows | identity[children]
             # The next frontier: the k best children overall, in creation order.
             best = child_scores.topk(k).indices.sort().values
             parent_row = best // k

@@ -265,7 +265,9 @@ class TargetRunner:
         columns = torch.arange(capacity, device=self.device)
         mask = torch.full((n, capacity), self._masked, dtype=self.dtype, device=self.device)
         mask.masked_fill_(columns < past, 0)
-        block = torch.where(visible, 0, self._masked).to(self.dtype)
+        block = torch.full((n, n), self._masked, dtype=self.dtype, device=self.device).masked_fill_(
+            visible, 0
+        )
         return mask.scatter_(1, (past + torch.arange(n, device=self.device)).expand(n, n), block)[None, None]
 
     def prefill(self, input_ids: Tensor) -> TargetOutput:
