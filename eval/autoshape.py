@@ -47,7 +47,7 @@ from specdraft.eval.decode import device_clock, plain_generate, speculative_gene
 from specdraft.eval.drafters import Draft, Drafter, TreeShape
 from specdraft.eval.runner import TargetOutput, TargetRunner
 from specdraft.eval.sampling import Sampling
-from specdraft.eval.trees import tree_buffers
+from specdraft.eval.trees import tree_buffers, tree_from_ancestors
 
 log = logging.getLogger(__name__)
 
@@ -201,21 +201,42 @@ class Simulation:
 
 
 @torch.no_grad()
-def simulate(drafter: Drafter, calibrations: Sequence[Calibration], device: torch.device) -> Simulation:
+def simulate(
+    drafter: Drafter, calibrations: Sequence[Calibration], device: torch.device, on_device: bool = False
+) -> Simulation:
     """Run ``drafter`` as greedy decoding would at every position of every calibration
-    continuation, committing one target token at a time."""
+    continuation, committing one target token at a time. ``on_device``: as greedy rounds on the
+    device (decoding on a static runner, :mod:`specdraft.eval.decode`): one call commits the
+    last token and drafts the next tree, timed as drafting."""
     result = Simulation()
     for calibration in calibrations:
         prompt, continuation, output = calibration.prompt, calibration.continuation, calibration.output
         drafter.reset()
         drafter.commit(prompt, output.rows(list(range(len(prompt)))), continuation[0])
         for t in range(len(continuation) - 1):
+            if on_device and t > 0:  # the round after committing continuation[t − 1], none accepted
+                row, padding = len(prompt) + t - 1, drafter.max_depth + 1
+                found = torch.tensor([0, 0, *[continuation[t]] * padding], device=output.hidden.device)
+                rows = [
+                    x[row : row + 1].expand(padding, -1) for x in (output.hidden, output.aux) if x is not None
+                ]
+                past = torch.tensor(row, device=found.device)
             begin = device_clock(device)
-            draft = drafter.draft(continuation[t], GREEDY)
+            if not on_device:
+                draft = drafter.draft(continuation[t], GREEDY)
+            elif t == 0:
+                tokens, ancestors = drafter.first_round(len(prompt) + len(continuation))
+            else:
+                tokens, ancestors = drafter.next_round(past, found, *rows)
             drafted = device_clock(device)
+            if on_device:
+                draft = Draft(tokens, tree_from_ancestors(ancestors))
             result.accepted.append(accepted_along(draft, continuation[t + 1 :]))
             result.nodes.append(draft.tree.num_nodes)
             result.draft_s.append(drafted - begin)
+            if on_device:  # committed by the next round
+                result.commit_s.append(0.0)
+                continue
             row = len(prompt) + t
             begin = device_clock(device)
             drafter.commit([continuation[t]], output.rows([row]), continuation[t + 1])
@@ -316,8 +337,16 @@ def measure_decoding(
 ) -> list[float]:
     """Tokens/s of greedy decoding with each drafter (None: plain decoding) over the calibration
     prompts, as many tokens as their continuations, interleaved per prompt so that machine load
-    hits all alike. Prefills are left out: they are the same for all."""
+    hits all alike. Prefills are left out: they are the same for all. Each decodes the first
+    prompt once untimed first: one-time costs (CUDA graph captures) are no part of a speed."""
     tokens, seconds = [0] * len(drafters), [0.0] * len(drafters)
+    first = calibrations[0]
+    for drafter in drafters:
+        prompt, new_tokens = torch.tensor(first.prompt), len(first.continuation)
+        if drafter is None:
+            plain_generate(runner, prompt, new_tokens, GREEDY, ())
+        else:
+            speculative_generate(runner, drafter, prompt, new_tokens, GREEDY, ())
     for calibration in calibrations:
         prompt, new_tokens = torch.tensor(calibration.prompt), len(calibration.continuation)
         for i, drafter in enumerate(drafters):
@@ -357,7 +386,8 @@ def choose_shape(
         except ValueError as error:
             log.info("shape: auto skips %s (%s)", dict(config), error)
             continue
-        prediction = predict(config, simulate(drafter, calibrations, runner.device), latency)
+        on_device = runner.static and drafter.rounds_on_device(GREEDY)
+        prediction = predict(config, simulate(drafter, calibrations, runner.device, on_device), latency)
         predictions.append(prediction)
         drafters[id(prediction)] = drafter
     speed = lambda p: p.tokens_per_s  # noqa: E731

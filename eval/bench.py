@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 from tqdm import tqdm
 
 from specdraft.data.atomic import write_json_atomic
@@ -124,18 +125,26 @@ def answer(
     return answers
 
 
-def warm_up(
-    target: Target, question: Question, methods: Sequence[Method], sampling: Sampling, seed: int
-) -> None:
-    """Every method answers the question's first turn once; nothing is kept."""
+def first_turn_ids(target: Target, question: Question) -> Tensor:
+    """The chat-templated token ids of the question's first turn."""
     prompt = target.tokenizer.apply_chat_template(
         [{"role": "user", "content": question.turns[0]}],
         add_generation_prompt=True,
         return_dict=True,
         return_tensors="pt",
     )
+    return prompt["input_ids"][0]
+
+
+def warm_up(
+    target: Target, questions: Sequence[Question], methods: Sequence[Method], sampling: Sampling, seed: int
+) -> None:
+    """Every method answers the LONGEST first turn of ``questions`` once; nothing is kept. The
+    longest, so that the KV caches are sized for the run here: a cache that grows later drops
+    its CUDA graphs, and their recapture (~0.1 s each on an H100) would land in a timed answer."""
+    prompt = max((first_turn_ids(target, question) for question in questions), key=len)
     for method in methods:
-        method.generate(prompt["input_ids"][0], sampling, seed)
+        method.generate(prompt, sampling, seed)
 
 
 def record_of(
@@ -182,9 +191,9 @@ def run_benchmark(
 ) -> dict[str, Any]:
     """Run (or resume) the benchmark; write records.jsonl, report.json and the plots.
 
-    ``warmup``: before the first timed question every method answers its first turn once,
-    unrecorded, so one-time costs (CUDA graph captures, lazy kernel selection, a draft model's
-    first load) do not land on whichever method meets them first.
+    ``warmup``: before the first timed question every method answers the longest first turn
+    once, unrecorded, so one-time costs (CUDA graph captures, cache growth, lazy kernel
+    selection, a draft model's first load) do not land on whichever method meets them first.
 
     ``max_seconds``: a time box. No question is started that would end past it (judged by the
     mean question so far); the report covers the questions done and says how many were left
@@ -199,7 +208,7 @@ def run_benchmark(
         log.info("resuming %s: %d units done, %d to go", out_dir, len(done), len(units))
     box = _time_box(out_dir, max_seconds)
     if warmup and units:
-        warm_up(target, units[0][0], methods, sampling_for(units[0][1]), seed)
+        warm_up(target, [question for question, _ in units], methods, sampling_for(units[0][1]), seed)
     left = 0
     for done_here, (question, temperature) in enumerate(
         tqdm(units, desc="bench", unit="question", disable=not progress)

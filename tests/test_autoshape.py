@@ -113,6 +113,27 @@ def test_simulated_acceptance_is_what_greedy_decoding_accepts(tiny_target, shape
         torch.testing.assert_close(simulated[key], decoded[key], rtol=1e-4, atol=1e-4, msg=str(key))
 
 
+@pytest.mark.parametrize("shape", [Chain(depth=3), DynamicTree(depth=3, top_k=2, total_tokens=6)])
+def test_simulation_of_device_rounds_drafts_what_the_host_path_drafts(tiny_target, shape):
+    """Simulated as greedy rounds on the device (what decoding on a static runner runs), the
+    drafter drafts the same tree at every position as simulated on the host."""
+    from test_device_rounds import recording
+
+    head, runner = eagle_head(tiny_target), TargetRunner(tiny_target)
+    prompt = prompts(tiny_target, 1)[0]
+    continuation = speculative_generate(
+        runner, FeatureHeadDrafter(head, shape), prompt, NEW_TOKENS, GREEDY, ()
+    )
+    [calibration] = calibrate(runner, [prompt], [continuation.tokens])
+    host_trees, device_trees = [], []
+    host = simulate(recording(FeatureHeadDrafter(head, shape), host_trees), [calibration], tiny_target.device)
+    drafter = recording(FeatureHeadDrafter(head, shape, graphs=True), device_trees)
+    device = simulate(drafter, [calibration], tiny_target.device, on_device=True)
+    assert len(device_trees) == len(continuation.tokens) - 1
+    assert device_trees == host_trees
+    assert (device.accepted, device.nodes) == (host.accepted, host.nodes)
+
+
 def test_accepted_along_follows_the_tree():
     # root → a(5), b(6); a → c(7); tokens: root 0, 5, 6, 7
     draft = Draft(torch.tensor([0, 5, 6, 7]), tree_buffers([(0,), (1,), (0, 0)]))
@@ -133,10 +154,10 @@ def test_the_choice_follows_the_costs(tiny_target, monkeypatch):
     # CI that way).
     simulated, simulate_once = {}, autoshape.simulate
 
-    def simulate(drafter, calibrations, device):
+    def simulate(drafter, calibrations, device, on_device=False):
         key = repr(drafter.shape)
         if key not in simulated:
-            simulated[key] = simulate_once(drafter, calibrations, device)
+            simulated[key] = simulate_once(drafter, calibrations, device, on_device)
         return simulated[key]
 
     monkeypatch.setattr(autoshape, "simulate", simulate)

@@ -397,25 +397,28 @@ def test_the_machine_record_names_the_gpu_beside_its_host(monkeypatch):
 
 
 def test_warm_up_runs_every_method_once_before_the_timed_questions_and_records_nothing(tmp_path, tiny_target):
+    """Each method answers the longest first turn once (caches sized for the run), unrecorded."""
     from specdraft.eval.bench import run_benchmark
     from specdraft.eval.decode import Generation
     from specdraft.eval.methods import Method
     from specdraft.eval.sampling import Sampling
 
-    calls = []
+    calls, lengths = [], []
 
     def method(name: str, kind: str) -> Method:
         def generate(prompt_ids, sampling, seed):
             calls.append(name)
+            lengths.append(len(prompt_ids))
             return Generation([5, 6], 0.0, 0.01, "length")
 
         return Method(name, kind, generate)
 
     methods = [method("plain", "plain"), method("other", "hf")]
-    questions = [Question("q1", "writing", ("Hi", "More")), Question("q2", "coding", ("Code",))]
+    questions = [Question("q1", "writing", ("Hi", "More")), Question("q2", "coding", ("Write code for me",))]
 
     def bench(out: str, warmup: bool) -> list[dict]:
         calls.clear()
+        lengths.clear()
         run_benchmark(
             tiny_target, questions, methods, [0.0], lambda t: Sampling(), tmp_path / out, {}, warmup=warmup
         )
@@ -426,5 +429,6 @@ def test_warm_up_runs_every_method_once_before_the_timed_questions_and_records_n
     warm = bench("warm", warmup=True)
     # the two warm-ups come first
     assert calls == ["plain", "other", "plain", "plain", "other", "other", "plain", "other"]
+    assert lengths[0] == lengths[1] == lengths[-1] > lengths[2]  # q2's first turn, not q1's
     strip = lambda units: [[(r["method"], r["turn"]) for r in u["records"]] for u in units]  # noqa: E731
     assert strip(warm) == strip(cold)  # the warm-up left no record
