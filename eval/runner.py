@@ -21,7 +21,10 @@ Built like gpt-fast, without copying modeling code:
   that on CUDA each step size (one token, a tree's node count) replays a CUDA graph
   (:mod:`specdraft.eval.graphs`); the prompt runs the same static step eagerly. On a CPU the
   static step runs eagerly (the tests check it there) and attends over more keys than it needs,
-  so CPUs keep the default (``graphs: auto``).
+  so CPUs keep the default (``graphs: auto``);
+* :meth:`TargetRunner.verify_greedy` (static runners, T=0): verification, greedy acceptance and
+  the cache move in one fixed-shape step, the committed length a device tensor, nothing read
+  back — what lets a decoding step sync with the host once (:mod:`specdraft.eval.decode`).
 """
 
 from __future__ import annotations
