@@ -1,1 +1,2 @@
-"""Tree-attention speculative decoding, baselines and benchmarks (not yet built)."""
+"""Speculative decoding with trained draft heads: the target runner, the drafters, the decode loop,
+the baselines, ``shape: auto``, and the benchmark with its report."""

@@ -39,6 +39,9 @@ RECORDS = "records.jsonl"
 RUN_CONFIG = "run_config.json"
 REPORT = "report.json"
 TIME_BOX = "time_box.json"  # the clock of a time-boxed run, across resumes
+# Turn t of a question samples with seed + TURN_SEED_STRIDE·t: each turn its own stream, every
+# method the same one (a question's seed: the run's seed + a hash of its id).
+TURN_SEED_STRIDE = 1000
 
 
 class BenchDirError(RuntimeError):
@@ -118,7 +121,7 @@ def answer(
             messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
         )
         prompt_ids = prompt["input_ids"][0]
-        generation = method.generate(prompt_ids, sampling, seed + 1000 * turn)
+        generation = method.generate(prompt_ids, sampling, seed + TURN_SEED_STRIDE * turn)
         reply = tokenizer.decode([t for t in generation.tokens if t not in eos], skip_special_tokens=True)
         messages.append({"role": "assistant", "content": reply})
         answers.append((generation, prompt_ids))

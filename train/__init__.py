@@ -1,1 +1,2 @@
-"""Losses, multi-step rollout, the LightningModule and the training entry point (not yet built)."""
+"""Training draft heads on a frozen target: losses, the multi-step rollout, the LightningModule and
+the training entry point."""
