@@ -373,16 +373,13 @@ class FeatureHeadDrafter(Drafter):
     def commit(self, tokens: list[int], target: TargetOutput, next_token: int) -> None:
         past, count = len(self.history), len(tokens)
         self._reserve(past + count + self._max_slots)
-        inputs = [
-            torch.tensor([*tokens[1:], next_token], device=self.device)[None],
-            torch.arange(past, past + count, device=self.device)[None],
-            torch.arange(past, past + count, device=self.device),
-            self._mask(past, None, torch.ones(count, count, dtype=torch.bool, device=self.device).tril_()),
+        inputs = self._commit_inputs(
+            past,
+            torch.tensor([*tokens[1:], next_token], device=self.device),
             torch.full((), count - 1, device=self.device),
-            target.hidden.to(self.device, self.dtype)[None],
-        ]
-        if target.aux is not None:
-            inputs.append(target.aux.to(self.device, self.dtype)[None])
+            target.hidden.to(self.device),
+            None if target.aux is None else target.aux.to(self.device),
+        )
         # A prompt's length does not recur: replay only what the decoding loop commits.
         step = self._commit_graph if count <= self.max_depth + 1 else self._commit_graph.eager
         log_probs, self.root_output = step(*inputs)
@@ -390,6 +387,18 @@ class FeatureHeadDrafter(Drafter):
         self._next_root = next_token
         context = [[*self.history, next_token]]
         self.root_log_probs = self._filtered(context, 0, log_probs, self.to_target)[0]
+
+    def _commit_inputs(
+        self, past: int | Tensor, following: Tensor, last: Tensor, hidden: Tensor, aux: Tensor | None
+    ) -> list[Tensor]:
+        """:meth:`_commit_step`'s arguments for n positions after ``past`` (an int or a 0-dim
+        tensor): following n (the token after each), last 0-dim (the row whose candidates are
+        drafted from), the target's hidden n×H[, aux n×k·H]; causal among the n."""
+        n = len(following)
+        written = past + torch.arange(n, device=self.device)
+        causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
+        inputs = [following[None], written[None], written, self._mask(past, None, causal), last]
+        return inputs + [x.to(self.dtype)[None] for x in (hidden, aux) if x is not None]
 
     def _expand(
         self,
@@ -506,7 +515,7 @@ class FeatureHeadDrafter(Drafter):
             self.root_output,
             self.root_log_probs,
             self._device_shape,
-            True,
+            graphed=True,
         )
 
     @torch.no_grad()
@@ -519,17 +528,9 @@ class FeatureHeadDrafter(Drafter):
         """:meth:`next_round` as one fixed-shape step: the max_depth+1 committed rows (those past
         the accepted count are padding, written beyond the committed past and never read), then
         the tree after them."""
-        rows, count = len(hidden), found[0]
-        written = past + torch.arange(rows, device=self.device)
-        causal = torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril_()
+        count = found[0]
         log_probs, root_output = self._commit_step(
-            found[2:][None],
-            written[None],
-            written,
-            self._mask(past, None, causal),
-            count,
-            hidden.to(self.dtype)[None],
-            *(a.to(self.dtype)[None] for a in aux),
+            *self._commit_inputs(past, found[2:], count, hidden, aux[0] if aux else None)
         )
         self._slots = 0
         return self._dynamic(

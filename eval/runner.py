@@ -136,16 +136,12 @@ class PositionalKVCache(Cache):
         """Keep the first ``length`` positions."""
         self.write_at = min(self.write_at, length)
 
-    def move_index(self, source: Tensor, destination: Tensor) -> None:
-        """Copy the entries at positions ``source`` to positions ``destination`` (k int64 each,
-        tensors on the device: no host sync), every layer's keys and values at once."""
-        self.storage.index_copy_(-2, destination, self.storage.index_select(-2, source))
-
-    def move(self, source: Tensor, destination: int) -> None:
-        """Copy the entries at positions ``source`` (k int64, increasing) to ``destination ..
-        destination+k``, every layer's keys and values in one gather/copy."""
-        k = len(source)
-        self.storage[..., destination : destination + k, :] = self.storage.index_select(-2, source)
+    def move(self, source: Tensor, destination: int | Tensor) -> None:
+        """Copy the entries at positions ``source`` (k int64) to ``destination .. destination+k``
+        (an int, or a 0-dim tensor on the device: no host sync), every layer's keys and values in
+        one gather/copy."""
+        to = destination + torch.arange(len(source), device=self.storage.device)
+        self.storage.index_copy_(-2, to, self.storage.index_select(-2, source))
 
 
 @dataclass(frozen=True)
@@ -315,7 +311,7 @@ class TargetRunner:
         calls :meth:`advance`."""
         if not self.static:
             raise RuntimeError("verify_greedy runs static steps: build the runner with graphs=True")
-        self.reserve(int(self.length) + max(len(tokens), max_depth + 1))
+        self.reserve(self.length + max(len(tokens), max_depth + 1))
         return self._greedy_graph(past, tokens, ancestors, max_depth)
 
     def _verify_greedy_step(self, past: Tensor, tokens: Tensor, ancestors: Tensor, max_depth: int):
@@ -327,7 +323,7 @@ class TargetRunner:
         )
         path, count, next_token = greedy_accept_tree(tokens, ancestors, greedy_tokens(logits), max_depth)
         # The path's entries to past .. past+max_depth (the padding lands beyond what is committed).
-        self.cache.move_index(past + path, past + torch.arange(max_depth + 1, device=self.device))
+        self.cache.move(past + path, past)
         ahead = torch.arange(max_depth + 1, device=self.device)
         follow = torch.where(ahead < count, tokens[torch.cat([path[1:], path[-1:]])], next_token)
         found = torch.cat([count[None], depths.max()[None], follow])
