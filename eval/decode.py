@@ -73,7 +73,9 @@ class Generation:
         return len(self.steps)
 
 
-def _finish(tokens: list[int], max_new_tokens: int, eos_ids: Collection[int]) -> tuple[list[int], str | None]:
+def cut_at_stop(
+    tokens: list[int], max_new_tokens: int, eos_ids: Collection[int]
+) -> tuple[list[int], str | None]:
     """Cut at the first EOS (kept) or at max_new_tokens; the stop reason, or None to go on."""
     for i, token in enumerate(tokens[:max_new_tokens]):
         if token in eos_ids:
@@ -83,7 +85,7 @@ def _finish(tokens: list[int], max_new_tokens: int, eos_ids: Collection[int]) ->
     return tokens, None
 
 
-def _check_budget(runner: TargetRunner, prompt_ids: Tensor, max_new_tokens: int, extra: int) -> None:
+def check_budget(runner: TargetRunner, prompt_ids: Tensor, max_new_tokens: int, extra: int) -> None:
     limit = getattr(runner.model.config, "max_position_embeddings", None)
     if limit is not None and len(prompt_ids) + max_new_tokens + extra > limit:
         raise ValueError(
@@ -129,7 +131,7 @@ def plain_generate(
     generator: torch.Generator | None = None,
 ) -> Generation:
     """Token-by-token decoding on the same runner (the speedup baseline)."""
-    _check_budget(runner, prompt_ids, max_new_tokens, 0)
+    check_budget(runner, prompt_ids, max_new_tokens, 0)
     runner.reserve(len(prompt_ids) + max_new_tokens)
     device = runner.target.device
     start = device_clock(device)
@@ -137,7 +139,7 @@ def plain_generate(
     prefill_s = device_clock(device) - start
     tokens = [sampling.choose(output.logits[-1], generator)]
     steps = []
-    while (stop := _finish(tokens, max_new_tokens, eos_ids)[1]) is None:
+    while (stop := cut_at_stop(tokens, max_new_tokens, eos_ids)[1]) is None:
         begin = device_clock(device)
         output = runner.extend(torch.tensor(tokens[-1:]))
         tokens.append(sampling.choose(output.logits[-1], generator))
@@ -159,7 +161,7 @@ def speculative_generate(
     """Speculative decoding of one prompt; lossless unless ``typical`` is given."""
     if sampling.greedy and typical is None and runner.static and drafter.rounds_on_device(sampling):
         return _greedy_on_device(runner, drafter, prompt_ids, max_new_tokens, eos_ids)
-    _check_budget(runner, prompt_ids, max_new_tokens, drafter.max_depth)
+    check_budget(runner, prompt_ids, max_new_tokens, drafter.max_depth)
     runner.reserve(len(prompt_ids) + max_new_tokens + drafter.max_depth + 1)
     device = runner.target.device
     start = device_clock(device)
@@ -169,7 +171,7 @@ def speculative_generate(
     drafter.reset()
     drafter.commit(prompt_ids.tolist(), output, root)
     tokens, steps = [root], []
-    stop = _finish(tokens, max_new_tokens, eos_ids)[1]
+    stop = cut_at_stop(tokens, max_new_tokens, eos_ids)[1]
     while stop is None:
         begin = device_clock(device)
         draft = drafter.draft(root, sampling, generator)
@@ -177,11 +179,11 @@ def speculative_generate(
         output = runner.verify(draft.tokens, draft.tree)
         verified = device_clock(device)
         drafter.verified(output)
-        nodes, accepted_tokens, root = _accept(draft, output.logits, sampling, generator, typical)
+        nodes, accepted_tokens, root = accept_draft(draft, output.logits, sampling, generator, typical)
         runner.commit(nodes)
         tokens.extend([*accepted_tokens[1:], root])
         drafter.observe(draft.tree.num_nodes - 1, len(nodes) - 1)
-        stop = _finish(tokens, max_new_tokens, eos_ids)[1]
+        stop = cut_at_stop(tokens, max_new_tokens, eos_ids)[1]
         if stop is None:  # no drafting state is needed after the end
             drafter.commit(accepted_tokens, output.rows(nodes), root)
         depth = int(draft.tree.depths.max())
@@ -195,7 +197,8 @@ def speculative_generate(
                 device_clock(device) - verified,
             )
         )
-    tokens, stop = _finish(tokens, max_new_tokens, eos_ids)  # cut what the last step accepted beyond the end
+    # Cut what the last step accepted beyond the end.
+    tokens, stop = cut_at_stop(tokens, max_new_tokens, eos_ids)
     return Generation(tokens, prefill_s, device_clock(device) - start, stop, steps)
 
 
@@ -206,7 +209,7 @@ def _greedy_on_device(
     A step's record counts the drafter's round (the commit of the last accepted path included)
     as drafting and the target's acceptance and cache move as verification."""
     depth = drafter.max_depth
-    _check_budget(runner, prompt_ids, max_new_tokens, depth)
+    check_budget(runner, prompt_ids, max_new_tokens, depth)
     runner.reserve(len(prompt_ids) + max_new_tokens + depth + 1)
     device = runner.target.device
     start = device_clock(device)
@@ -215,7 +218,7 @@ def _greedy_on_device(
     root = greedy_tokens(output.logits[-1]).item()
     drafter.reset()
     drafter.commit(prompt_ids.tolist(), output, root)
-    tokens, stop = [root], _finish([root], max_new_tokens, eos_ids)[1]
+    tokens, stop = [root], cut_at_stop([root], max_new_tokens, eos_ids)[1]
     clock, marks = _Stopwatch(device), []
     found, next_past, features = None, None, []  # what the last verification found, and where
     while stop is None:
@@ -235,17 +238,17 @@ def _greedy_on_device(
         runner.advance(count)
         tokens.extend(follow[: count + 1])
         marks.append((len(tree_tokens), tree_depth, count, begin, drafted, verified, clock.mark()))
-        stop = _finish(tokens, max_new_tokens, eos_ids)[1]
+        stop = cut_at_stop(tokens, max_new_tokens, eos_ids)[1]
     total_s = device_clock(device) - start
     steps = [
         StepRecord(nodes, depth, count, clock.seconds(a, b), clock.seconds(b, c), clock.seconds(c, d))
         for nodes, depth, count, a, b, c, d in marks
     ]
-    tokens, stop = _finish(tokens, max_new_tokens, eos_ids)
+    tokens, stop = cut_at_stop(tokens, max_new_tokens, eos_ids)
     return Generation(tokens, prefill_s, total_s, stop, steps)
 
 
-def _accept(
+def accept_draft(
     draft, logits: Tensor, sampling: Sampling, generator, typical: Typical | None
 ) -> tuple[list[int], list[int], int]:
     """The accepted nodes (root first, in path order), their tokens, and the next token."""

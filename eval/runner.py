@@ -74,11 +74,19 @@ class _PositionalLayer(CacheLayerMixin):
         pass  # the storage is preallocated by the cache
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        keys, values = self.cache.storage[0, self.index], self.cache.storage[1, self.index]
-        if self.cache.write_index is not None:  # a static step: written by position, read whole
-            keys.index_copy_(2, self.cache.write_index, key_states)
-            values.index_copy_(2, self.cache.write_index, value_states)
-            return keys, values
+        cache = self.cache
+        keys, values = cache.rows(cache.storage[0, self.index]), cache.rows(cache.storage[1, self.index])
+        index = cache.write_index
+        if index is not None:  # written by position, read up to read_length (a static step: whole)
+            if index.dim() == 1:  # the same positions in every row
+                keys.index_copy_(2, index, key_states)
+                values.index_copy_(2, index, value_states)
+            else:  # B×n: each row its own positions (a batch of ragged sequences)
+                where = index[:, None, :, None].expand_as(key_states)
+                keys.scatter_(2, where, key_states)
+                values.scatter_(2, where, value_states)
+            end = cache.read_length
+            return keys[:, :, :end], values[:, :, :end]
         start = self.cache.write_at
         end = start + key_states.shape[-2]
         keys[:, :, start:end].copy_(key_states)
@@ -98,21 +106,31 @@ class _PositionalLayer(CacheLayerMixin):
 class PositionalKVCache(Cache):
     """Keys and values of every layer in one preallocated tensor, written by position.
 
-    ``storage``: 2 × layers × 1 × kv_heads × capacity × head_dim (keys, then values). A forward
-    writes its entries at ``write_at``; positions at or after ``write_at`` hold nothing that will
-    be read (attention only sees ``:write_at + n``), so dropping entries is moving the cursor.
-    A static step sets ``write_index`` (n int64) instead: its entries are written there and
-    attention reads the whole capacity, masked."""
+    ``storage``: 2 × layers × B × kv_heads × capacity × head_dim (keys, then values; B = 1 for
+    one sequence). A forward writes its entries at ``write_at``; positions at or after
+    ``write_at`` hold nothing that will be read (attention only sees ``:write_at + n``), so
+    dropping entries is moving the cursor. A static step sets ``write_index`` instead — n int64
+    (the same positions in every row) or B×n (each row its own: ragged sequences) — and
+    attention reads the first ``read_length`` positions (None: the whole capacity), masked.
+    ``batch`` (≤ B): the forward runs the first ``batch`` rows."""
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+    def __init__(
+        self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, batch: int = 1
+    ) -> None:
         self.shape = (num_layers, kv_heads, head_dim)
-        self.storage = torch.zeros(2, num_layers, 1, kv_heads, 0, head_dim, dtype=dtype, device=device)
+        self.storage = torch.zeros(2, num_layers, batch, kv_heads, 0, head_dim, dtype=dtype, device=device)
+        self.batch = batch
         self.write_at = 0
         self.write_index: Tensor | None = None
+        self.read_length: int | None = None
         super().__init__(layers=[_PositionalLayer(self, i) for i in range(num_layers)])
 
+    def rows(self, storage: Tensor) -> Tensor:
+        """The first ``batch`` rows of one layer's keys or values (a view)."""
+        return storage if storage.shape[0] == self.batch else storage[: self.batch]
+
     @classmethod
-    def for_model(cls, model, dtype: torch.dtype, device) -> PositionalKVCache:
+    def for_model(cls, model, dtype: torch.dtype, device, batch: int = 1) -> PositionalKVCache:
         config = model.config
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             raise NotImplementedError(
@@ -122,7 +140,7 @@ class PositionalKVCache(Cache):
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return cls(config.num_hidden_layers, kv_heads, head_dim, dtype, device)
+        return cls(config.num_hidden_layers, kv_heads, head_dim, dtype, device, batch)
 
     @property
     def capacity(self) -> int:
@@ -136,12 +154,37 @@ class PositionalKVCache(Cache):
         """Keep the first ``length`` positions."""
         self.write_at = min(self.write_at, length)
 
-    def move(self, source: Tensor, destination: int | Tensor) -> None:
+    def move(self, source: Tensor, destination: int | Tensor, row: int | None = None) -> None:
         """Copy the entries at positions ``source`` (k int64) to ``destination .. destination+k``
         (an int, or a 0-dim tensor on the device: no host sync), every layer's keys and values in
-        one gather/copy."""
-        to = destination + torch.arange(len(source), device=self.storage.device)
-        self.storage.index_copy_(-2, to, self.storage.index_select(-2, source))
+        one gather/copy; in one ``row`` of a batch, or in every row (None)."""
+        storage = self.storage if row is None else self.storage[:, :, row : row + 1]
+        to = destination + torch.arange(len(source), device=storage.device)
+        storage.index_copy_(-2, to, storage.index_select(-2, source))
+
+
+def decoder_features(
+    decoder,
+    cache: PositionalKVCache,
+    aux_layer_ids: Sequence[int],
+    input_ids: Tensor,
+    positions: Tensor,
+    mask: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
+    """The target's decoder over input_ids, positions B×n with ``mask`` (B×1×n×keys additive,
+    or None: causal) on ``cache``: hidden B×n×H (after the final norm) and the aux layers' B×n×k·H
+    (None without ``aux_layer_ids``)."""
+    output = decoder(
+        input_ids=input_ids,
+        position_ids=positions,
+        attention_mask=mask,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=list(aux_layer_ids) if aux_layer_ids else False,
+    )
+    if not aux_layer_ids:
+        return output.last_hidden_state, None
+    return output.last_hidden_state, torch.cat([output.hidden_states[i] for i in aux_layer_ids], dim=-1)
 
 
 @dataclass(frozen=True)
@@ -208,19 +251,12 @@ class TargetRunner:
         None (written at ``cache.write_at``); mask 1×1×n×keys additive or None (causal). Returns
         (logits n×V, hidden n×H[, aux n×k·H])."""
         self.cache.write_index = write_index
-        output = self._decoder(
-            input_ids=input_ids,
-            position_ids=positions,
-            attention_mask=mask,
-            past_key_values=self.cache,
-            use_cache=True,
-            output_hidden_states=list(self.aux_layer_ids) if self.aux_layer_ids else False,
+        hidden, aux = decoder_features(
+            self._decoder, self.cache, self.aux_layer_ids, input_ids, positions, mask
         )
-        hidden = output.last_hidden_state[0]
+        hidden = hidden[0]
         logits = self.model.get_output_embeddings()(hidden)  # target dtype: fp32 copies cost ms per tree
-        if not self.aux_layer_ids:
-            return logits, hidden
-        return logits, hidden, torch.cat([output.hidden_states[i][0] for i in self.aux_layer_ids], dim=-1)
+        return (logits, hidden) if aux is None else (logits, hidden, aux[0])
 
     @torch.no_grad()
     def _forward(

@@ -1,0 +1,219 @@
+"""Batched speculative decoding on a tiny fp32 target (eval/batch.py):
+
+* every row of a batch emits what decoding its prompt alone emits — plain and speculative,
+  greedy, at B = 1..4, for ragged prompts, chains and static and dynamic trees, EAGLE, EAGLE-3 and
+  Medusa heads, rows that stop at EOS while the others go on;
+* the ragged cache: each row's committed keys and values equal those of its prompt decoded alone;
+* sampling through a batch reproduces the target's distribution in every row (chi-square);
+* malformed batch sizes get one clear error.
+
+The target is the tiny random Llama with a wider weight init (0.2, not 0.02): the default one
+repeats a single token from a few tokens on, which any misplaced key or mask would repeat too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import prefix_chi_squares
+from test_decode import (
+    BLOCK,
+    GREEDY,
+    HEADS,
+    SHAPES,
+    TOP2,
+    drafter_for,
+    near_target_filter,
+    random_head,
+    reference_filter,
+    target_block_probabilities,
+)
+
+from specdraft.data.tiny import tiny_random_target
+from specdraft.eval.batch import (
+    BatchRunner,
+    check_batch_sizes,
+    plain_generate_batch,
+    speculative_generate_batch,
+)
+from specdraft.eval.decode import plain_generate, speculative_generate
+from specdraft.eval.drafters import Chain, DynamicTree
+from specdraft.eval.runner import TargetRunner
+
+MAX_NEW = 24
+PROMPT_LENGTHS = (12, 5, 17, 9)  # ragged on purpose
+DIVERSE_INIT = 0.2  # initializer_range of a tiny target whose greedy output does not repeat
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_random_target(seed=0, initializer_range=DIVERSE_INIT)
+
+
+def prompts(target, count: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return [
+        torch.randint(3, target.spec.vocab_size, (length,), generator=generator)
+        for length in PROMPT_LENGTHS[:count]
+    ]
+
+
+def aux_ids(target, kind: str) -> tuple[int, ...]:
+    return target.spec.aux_layer_ids if kind.startswith("eagle3") else ()
+
+
+@pytest.fixture(scope="module")
+def alone(target):
+    """Each prompt decoded alone, greedily (the reference every row must reproduce)."""
+    runner = TargetRunner(target)
+    return [plain_generate(runner, p, MAX_NEW, GREEDY, ()).tokens for p in prompts(target, 4)]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_plain_batch_equals_each_prompt_alone(target, alone, rows):
+    generations = plain_generate_batch(
+        BatchRunner(target), prompts(target, rows), MAX_NEW, GREEDY, (), [None] * rows
+    )
+    assert [g.tokens for g in generations] == alone[:rows]
+    assert all(g.stop == "length" and len(g.steps) == MAX_NEW - 1 for g in generations)
+
+
+@pytest.mark.parametrize("draft", ["untrained", "oracle"])
+@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("kind", list(HEADS))
+def test_greedy_speculative_batch_equals_plain_per_row(target, alone, kind, shape, rows, draft):
+    """Untrained drafts are mostly rejected; the oracle's (the row's own continuation ranked
+    first, unless a reduced draft vocabulary lacks it) are accepted, so rows advance by
+    different lengths in the same step."""
+    if kind == "medusa" and shape == "dynamic":
+        pytest.skip("Medusa candidates do not depend on the drafted prefix: static trees only")
+    head = random_head(target, kind)
+    filters = [
+        reference_filter(p.tolist() + continuation, oracle=True) if draft == "oracle" else None
+        for p, continuation in zip(prompts(target, rows), alone, strict=False)
+    ]
+    drafters = [drafter_for(head, kind, SHAPES[shape], f) for f in filters]
+    runner = BatchRunner(target, aux_ids(target, kind))
+    generations = speculative_generate_batch(
+        runner, drafters, prompts(target, rows), MAX_NEW, GREEDY, (), [None] * rows
+    )
+    assert [g.tokens for g in generations] == alone[:rows]
+    accepted = [sum(step.accepted for step in g.steps) for g in generations]
+    if draft == "oracle" and kind != "eagle3-reduced":
+        assert min(accepted) >= MAX_NEW // 2, accepted
+
+
+def test_rows_with_trees_of_different_sizes(target, alone):
+    """Threshold chains: the oracle's rows (probability ~1) draft 4 tokens, the untrained rows stop
+    after 1, so the narrow trees are padded next to the wide ones in every forward."""
+    rows = 4
+    head = random_head(target, "eagle")
+    shape = Chain(depth=4, threshold=0.5)
+    drafters = [
+        drafter_for(head, "eagle", shape, reference_filter(p.tolist() + alone[b], True) if b % 2 else None)
+        for b, p in enumerate(prompts(target, rows))
+    ]
+    generations = speculative_generate_batch(
+        BatchRunner(target), drafters, prompts(target, rows), MAX_NEW, GREEDY, (), [None] * rows
+    )
+    assert [g.tokens for g in generations] == alone[:rows]
+    sizes = [{step.nodes for step in g.steps} for g in generations]
+    assert sizes[0] == {2} and max(sizes[1]) == 5, sizes
+
+
+def test_rows_stop_at_their_own_eos(target, alone):
+    """Row 1 stops at its 6th token (made EOS); the others run to the end, every row as alone."""
+    eos = alone[1][5]
+    expected = []
+    for p in prompts(target, 3):
+        expected.append(plain_generate(TargetRunner(target), p, MAX_NEW, GREEDY, (eos,)).tokens)
+    assert len(expected[1]) == 6
+    head = random_head(target, "eagle")
+    drafters = [drafter_for(head, "eagle", DynamicTree(depth=3, top_k=2, total_tokens=6)) for _ in range(3)]
+    generations = speculative_generate_batch(
+        BatchRunner(target), drafters, prompts(target, 3), MAX_NEW, GREEDY, (eos,), [None] * 3
+    )
+    assert [g.tokens for g in generations] == expected
+    assert generations[1].stop == "eos"
+    assert generations[1].total_s <= max(g.total_s for g in generations)
+    plain = plain_generate_batch(BatchRunner(target), prompts(target, 3), MAX_NEW, GREEDY, (eos,), [None] * 3)
+    assert [g.tokens for g in plain] == expected
+
+
+def test_ragged_cache_rows_hold_what_each_prompt_alone_holds(target):
+    """After a batch, row b's committed keys/values are those of its sequence run alone — the
+    scatter by per-row position and the per-row move put every entry in its place."""
+    rows = 3
+    head = random_head(target, "eagle")
+    shape = Chain(depth=3)
+    runner = BatchRunner(target)
+    batch = speculative_generate_batch(
+        runner,
+        [drafter_for(head, "eagle", shape) for _ in range(rows)],
+        prompts(target, rows),
+        MAX_NEW,
+        GREEDY,
+        (),
+        [None] * rows,
+    )
+    for b, prompt in enumerate(prompts(target, rows)):
+        single = TargetRunner(target)
+        generation = speculative_generate(
+            single, drafter_for(head, "eagle", shape), prompt, MAX_NEW, GREEDY, ()
+        )
+        assert generation.tokens == batch[b].tokens
+        length = runner.lengths[b]
+        assert length == single.length
+        torch.testing.assert_close(
+            runner.cache.storage[:, :, b, :, :length],
+            single.cache.storage[:, :, 0, :, :length],
+            rtol=1e-5,
+            atol=1e-5,
+        )
+
+
+def test_sampling_in_a_batch_reproduces_the_target_distribution(target):
+    """Every row of a 4-row batch (the same prompt in each) samples the target's distribution
+    over its first BLOCK tokens (conftest.prefix_chi_squares), the other rows accepting and
+    rejecting beside it."""
+    rows, trials = 4, 250
+    prompt = prompts(target, 1)[0]
+    expected = target_block_probabilities(target, prompt, BLOCK)
+    head = random_head(target, "eagle")
+    score_filter = near_target_filter(target, 0.5)
+    shape = DynamicTree(depth=2, top_k=2, total_tokens=5)
+    drafters = [drafter_for(head, "eagle", shape, score_filter) for _ in range(rows)]
+    generators = [torch.Generator().manual_seed(b) for b in range(rows)]
+    runner = BatchRunner(target)
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(trials):
+        for generation in speculative_generate_batch(
+            runner, drafters, [prompt] * rows, BLOCK, TOP2, (), generators
+        ):
+            block = tuple(generation.tokens)
+            counts[block] = counts.get(block, 0) + 1
+    results = prefix_chi_squares(counts, expected)
+    assert all(statistic < critical for statistic, critical in results), (results, counts)
+
+
+@pytest.mark.parametrize("sizes", [[], [0], [1, -2], [2.5], [True]])
+def test_malformed_batch_sizes_get_one_clear_error(sizes):
+    with pytest.raises(ValueError, match=r"bench\.batch_sizes: expected a non-empty list of positive int"):
+        check_batch_sizes(sizes, "bench.batch_sizes")
+
+
+def test_a_batch_needs_a_prompt_and_a_drafter_per_row(target):
+    with pytest.raises(ValueError, match="at least one prompt"):
+        plain_generate_batch(BatchRunner(target), [], MAX_NEW, GREEDY, (), [])
+    head = random_head(target, "eagle")
+    with pytest.raises(ValueError, match="2 prompts need 2 drafters"):
+        speculative_generate_batch(
+            BatchRunner(target),
+            [drafter_for(head, "eagle", Chain(depth=2))],
+            prompts(target, 2),
+            MAX_NEW,
+            GREEDY,
+            (),
+            [None] * 2,
+        )
