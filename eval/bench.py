@@ -6,6 +6,10 @@ are answered one by one, each answer joining the chat before the next turn. One 
 (question × temperature, all methods) is appended to ``records.jsonl`` as ONE line once it is
 complete, so a killed run resumes after its last complete unit, with no duplicates or holes.
 At the end ``report.json`` (and the plots) are rewritten from all records.
+
+``batch_sizes`` (:func:`run_batch_benchmark`): the questions' first turns decoded B at a time
+(:mod:`specdraft.eval.batch`) for each batch size, every method on the same batch in turn; a
+unit is one batch (batch size × batch × temperature, all methods).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import os
 import platform
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +34,7 @@ from specdraft.data.target import Target
 from specdraft.eval.decode import Generation
 from specdraft.eval.methods import Method
 from specdraft.eval.prompts import Question
-from specdraft.eval.report import plot, summarize
+from specdraft.eval.report import plot, summarize, summarize_batches
 from specdraft.eval.sampling import Sampling
 
 log = logging.getLogger(__name__)
@@ -48,8 +52,23 @@ class BenchDirError(RuntimeError):
     pass
 
 
-def prepare_output_dir(out_dir: Path, config: dict[str, Any], resume: bool) -> set[tuple[str, float]]:
-    """Create or reopen ``out_dir``; the (question id, temperature) units already done.
+def question_unit(unit: dict[str, Any]) -> tuple[str, float]:
+    """A unit of the per-question benchmark: (question id, temperature)."""
+    return unit["question_id"], unit["temperature"]
+
+
+def batch_unit(unit: dict[str, Any]) -> tuple[int, int, float]:
+    """A unit of the batch benchmark: (batch size, batch index, temperature)."""
+    return unit["batch_size"], unit["batch"], unit["temperature"]
+
+
+def prepare_output_dir(
+    out_dir: Path,
+    config: dict[str, Any],
+    resume: bool,
+    unit_key: Callable[[dict[str, Any]], Hashable] = question_unit,
+) -> set[Hashable]:
+    """Create or reopen ``out_dir``; the keys (``unit_key``) of the units already done.
 
     A reopened directory must hold the same config (``resume: false`` refuses to reopen);
     a torn last line of records.jsonl (a kill mid-write) is cut off."""
@@ -68,7 +87,7 @@ def prepare_output_dir(out_dir: Path, config: dict[str, Any], resume: bool) -> s
             )
     else:
         write_json_atomic(config_path, config)
-    done: set[tuple[str, float]] = set()
+    done: set[Hashable] = set()
     if records_path.exists():
         raw = records_path.read_bytes()
         keep = raw[: raw.rfind(b"\n") + 1]  # everything up to the last complete line
@@ -77,8 +96,7 @@ def prepare_output_dir(out_dir: Path, config: dict[str, Any], resume: bool) -> s
             with records_path.open("r+b") as handle:
                 handle.truncate(len(keep))
         for line in keep.splitlines():
-            unit = json.loads(line)
-            done.add((unit["question_id"], unit["temperature"]))
+            done.add(unit_key(json.loads(line)))
     return done
 
 
@@ -261,6 +279,81 @@ def run_benchmark(
         report["time_box"] = {"max_seconds": max_seconds, "units_left": left}
     write_json_atomic(out_dir / REPORT, report)
     report["plots"] = [str(p) for p in plot(report["results"], out_dir)]
+    return report
+
+
+def run_batch_benchmark(
+    target: Target,
+    questions: Sequence[Question],
+    methods: Sequence[Method],
+    batch_sizes: Sequence[int],
+    temperatures: Sequence[float],
+    sampling_for: Callable[[float], Sampling],
+    out_dir: Path,
+    config: dict[str, Any],
+    seed: int = 0,
+    resume: bool = True,
+    progress: bool = True,
+    warmup: bool = True,
+) -> dict[str, Any]:
+    """Throughput against batch size: for each size B, the questions' first turns in batches of
+    B (in question order; the last ``len(questions) % B`` are left out, so every batch is full),
+    every method decoding each batch in turn (plain decoding first). Resumable per batch, as
+    :func:`run_benchmark` is per question. ``warmup``: every method decodes the longest prompts
+    at the largest size once, untimed (caches and drafters sized for the run)."""
+    if not methods or methods[0].type != "plain":
+        raise ValueError("the first method must be plain decoding (the speedup reference)")
+    unbatched = [m.name for m in methods if m.generate_batch is None]
+    if unbatched:
+        raise ValueError(
+            f"methods {unbatched} cannot decode batches (HF generate); leave them out of the run"
+        )
+    too_big = [size for size in batch_sizes if size > len(questions)]
+    if too_big:
+        raise ValueError(f"batch_sizes {too_big}: larger than the {len(questions)} questions of the prompts")
+    done = prepare_output_dir(out_dir, config, resume, batch_unit)
+    prompts = [first_turn_ids(target, question) for question in questions]
+    seeds = [seed + zlib.crc32(question.id.encode()) for question in questions]  # the same in every batch
+    units = [
+        (size, batch, float(temperature))
+        for size in batch_sizes
+        for temperature in temperatures
+        for batch in range(len(questions) // size)
+        if (size, batch, float(temperature)) not in done
+    ]
+    if warmup and units:
+        largest = max(batch_sizes)
+        longest = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))[-largest:]
+        for method in methods:
+            method.generate_batch([prompts[i] for i in longest], sampling_for(units[0][2]), seeds[:largest])
+    for size, batch, temperature in tqdm(units, desc="bench batches", unit="batch", disable=not progress):
+        rows = range(batch * size, (batch + 1) * size)
+        records = []
+        for method in methods:
+            generations = method.generate_batch(
+                [prompts[i] for i in rows], sampling_for(temperature), [seeds[i] for i in rows]
+            )
+            wall_s = max(generation.total_s for generation in generations)  # the batch ends with its last row
+            for i, generation in zip(rows, generations, strict=True):
+                record = record_of(method, questions[i], 0, temperature, generation, len(prompts[i]))
+                records.append({**record, "batch_size": size, "batch": batch, "wall_s": wall_s})
+        _append_unit(
+            out_dir / RECORDS,
+            {
+                "batch_size": size,
+                "batch": batch,
+                "temperature": temperature,
+                "load": os.getloadavg()[0],
+                "records": records,
+            },
+        )
+    report = {
+        "machine": machine_info(target.device),
+        "config": config,
+        "methods": {m.name: {"type": m.type, "lossless": m.lossless, **m.details} for m in methods},
+        "batch": summarize_batches(read_records(out_dir)),
+    }
+    write_json_atomic(out_dir / REPORT, report)
     return report
 
 

@@ -4,6 +4,7 @@ the plots (acceptance_per_depth.png, speedup.png) to ``${paths.log_dir}/bench/${
 
     specdraft-bench checkpoint=outputs/train/hass/checkpoints/last.ckpt   # MT-bench, T=0 and 1, all methods
     specdraft-eval checkpoint=outputs/train/hass/checkpoints/last.ckpt    # the head vs plain decoding only
+    specdraft-bench checkpoint=… methods=batch batch_sizes=[1,2,4,8,16]     # throughput vs batch size
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from specdraft.eval.autoshape import (
     probe_verify_latency,
 )
 from specdraft.eval.baselines import load_draft_model
-from specdraft.eval.bench import BenchDirError, run_benchmark
+from specdraft.eval.batch import check_batch_sizes
+from specdraft.eval.bench import BenchDirError, run_batch_benchmark, run_benchmark
 from specdraft.eval.decode import Typical
 from specdraft.eval.drafters import Drafter, TreeShape
 from specdraft.eval.graphs import resolve_graphs
@@ -63,6 +65,10 @@ def _main(cfg: DictConfig, command: str) -> None:
         report = run(cfg, command)
     except BenchDirError as error:
         raise SystemExit(f"specdraft-bench: {error}") from None
+    if "batch" in report:
+        print(format_batch_table(report["batch"]))
+        print(f"report: {Path(cfg.paths.output_dir) / 'report.json'}")
+        return
     print(format_table(report["results"]))
     box = report.get("time_box")
     if box and box["units_left"]:
@@ -71,6 +77,9 @@ def _main(cfg: DictConfig, command: str) -> None:
 
 
 def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
+    batch_sizes = None
+    if cfg.get("batch_sizes") is not None:  # checked before anything is loaded
+        batch_sizes = check_batch_sizes(OmegaConf.to_container(cfg.batch_sizes), "batch_sizes")
     start(command, cfg.threads, cfg.target)
     target: Target = instantiate(cfg.target)
     if cfg.packed_weights:
@@ -121,6 +130,24 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
         len(questions),
         list(cfg.temperatures),
     )
+    # The time box limits this invocation, it does not change what is measured: a resumed run may
+    # have another one.
+    config = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "max_minutes"}
+    if batch_sizes is not None:
+        return run_batch_benchmark(
+            target,
+            questions,
+            methods,
+            batch_sizes,
+            [float(t) for t in cfg.temperatures],
+            lambda t: Sampling(t, cfg.top_p, cfg.top_k),
+            Path(cfg.paths.output_dir),
+            config,
+            seed=cfg.seed,
+            resume=cfg.resume,
+            progress=cfg.progress,
+            warmup=cfg.warmup,
+        )
     return run_benchmark(
         target,
         questions,
@@ -128,9 +155,7 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
         [float(t) for t in cfg.temperatures],
         lambda t: Sampling(t, cfg.top_p, cfg.top_k),
         Path(cfg.paths.output_dir),
-        # The time box limits this invocation, it does not change what is measured: a resumed
-        # run may have another one.
-        {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "max_minutes"},
+        config,
         seed=cfg.seed,
         resume=cfg.resume,
         progress=cfg.progress,
@@ -265,4 +290,22 @@ def format_table(results: dict[str, Any]) -> str:
                 f"{temperature[2:]:>4} {name:<26} {o['tokens_per_s'] or 0:7.1f} {o.get('speedup') or 0:8.2f} "
                 f"{o.get('tau') or 0:5.2f} {o.get('overhead_share') or 0:8.2f}  {rates}"
             )
+    return "\n".join(lines)
+
+
+def format_batch_table(batch: dict[str, Any]) -> str:
+    """A plain-text summary of the batch benchmark: one row per temperature × batch size × method."""
+    lines = [f"{'T':>4} {'B':>3} {'method':<22} {'tok/s':>7} {'× plain':>8} {'ms/tok/row':>10} {'tau':>5}"]
+    for temperature, section in batch.items():
+        for size, methods in section["sizes"].items():
+            for name, entry in methods.items():
+                speedup, tau = entry.get("speedup") or 0, entry["tau"] or 1
+                lines.append(
+                    f"{temperature[2:]:>4} {size:>3} {name:<22} {entry['tokens_per_s']:7.1f} "
+                    f"{speedup:8.2f} {entry['row_ms_per_token']:10.1f} {tau:5.2f}"
+                )
+        crossover = section["crossover"]
+        lines.append(
+            f"{temperature[2:]:>4} crossover (smallest batch size no faster than plain): {crossover}"
+        )
     return "\n".join(lines)

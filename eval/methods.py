@@ -1,6 +1,7 @@
 """Decoding methods by name, built from their config: our decode loop with a trained head or a
 draft LM, plain decoding, and HF ``generate`` baselines. Every method is a function
-``(prompt_ids, sampling, seed) -> Generation`` on the same target.
+``(prompt_ids, sampling, seed) -> Generation`` on the same target; the methods of our decode
+loop (all but HF's) also decode B prompts together (``generate_batch``, :mod:`specdraft.eval.batch`).
 
 Method config (a mapping):
 
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 from specdraft.data.target import Target
 from specdraft.eval.autoshape import PLAIN, ShapeChoice
 from specdraft.eval.baselines import hf_generate
+from specdraft.eval.batch import BatchRunner, plain_generate_batch, speculative_generate_batch
 from specdraft.eval.decode import Generation, Typical, plain_generate, speculative_generate
 from specdraft.eval.drafters import (
     Chain,
@@ -50,6 +52,8 @@ from specdraft.heads.eagle import Eagle3Head, FeatureHead
 from specdraft.heads.medusa import MedusaHead
 
 Generate = Callable[[Tensor, Sampling, int], Generation]
+# (prompts, sampling, one seed per prompt) -> one Generation per prompt, decoded together.
+GenerateBatch = Callable[[Sequence[Tensor], Sampling, Sequence[int]], list[Generation]]
 METHOD_TYPES = ("plain", "head", "draft_model", "lookahead", "hf")
 AUTO = "auto"
 # (method name, its runner, a drafter for a shape, candidate shape configs or None for the
@@ -62,13 +66,16 @@ ShapeChooser = Callable[
 @dataclass
 class Method:
     """``lossless``: the output distribution is the target's (False only for typical acceptance);
-    ``details``: what the report should say about how it was set up (``shape: auto``'s choice)."""
+    ``details``: what the report should say about how it was set up (``shape: auto``'s choice);
+    ``generate_batch``: B prompts decoded together (None: batch 1 only, as HF ``generate``'s
+    prompt lookup and assisted decoding)."""
 
     name: str
     type: str
     generate: Generate
     lossless: bool = True
     details: dict[str, Any] = field(default_factory=dict)
+    generate_batch: GenerateBatch | None = None
 
 
 def tree_shape(config: Mapping[str, Any]) -> TreeShape:
@@ -135,11 +142,45 @@ def build_method(
 
         return plain
 
+    def generators(seeds: Sequence[int]) -> list[torch.Generator]:
+        return [torch.Generator(target.device).manual_seed(seed) for seed in seeds]
+
+    def batches_with(
+        make_drafter: Callable[[], Drafter], aux_layer_ids=(), typical_rule=None
+    ) -> GenerateBatch:
+        """Batched decoding with one drafter per row (made as the batches grow)."""
+        runner, drafters = BatchRunner(target, aux_layer_ids), []
+
+        def generate_batch(prompts: Sequence[Tensor], sampling: Sampling, seeds: Sequence[int]):
+            drafters.extend(make_drafter() for _ in range(len(prompts) - len(drafters)))
+            return speculative_generate_batch(
+                runner,
+                drafters[: len(prompts)],
+                prompts,
+                max_new_tokens,
+                sampling,
+                eos_ids,
+                generators(seeds),
+                typical_rule,
+            )
+
+        return generate_batch
+
+    def plain_batches() -> GenerateBatch:
+        runner = BatchRunner(target)
+
+        def generate_batch(prompts: Sequence[Tensor], sampling: Sampling, seeds: Sequence[int]):
+            return plain_generate_batch(runner, prompts, max_new_tokens, sampling, eos_ids, generators(seeds))
+
+        return generate_batch
+
     if kind == "plain":
-        return Method(name, kind, plain_on(TargetRunner(target, compile=compile, graphs=graphs)))
+        runner = TargetRunner(target, compile=compile, graphs=graphs)
+        return Method(name, kind, plain_on(runner), generate_batch=plain_batches())
     if kind == "head":
         head = heads(config["checkpoint"])
         use_typical = bool(config.get("typical", False))
+        aux_layer_ids: tuple[int, ...] = ()
         if isinstance(head, MedusaHead):
             runner = TargetRunner(target, compile=compile, graphs=graphs)
             drafter_for: Callable[[TreeShape], Drafter] = lambda shape: MedusaDrafter(  # noqa: E731
@@ -161,16 +202,19 @@ def build_method(
             choice = choose_shape(name, runner, drafter_for, shape_config.get("candidates"))
             details = {"auto_shape": choice.record()}
             if choice.shape["kind"] == PLAIN:  # no shape pays on this machine
-                return Method(name, kind, plain_on(runner), details=details)
+                return Method(name, kind, plain_on(runner), details=details, generate_batch=plain_batches())
             shape_config = dict(choice.shape)
         shape = tree_shape(shape_config)
-        generate = decode_with(lambda: drafter_for(shape), runner, typical if use_typical else None)
-        return Method(name, kind, generate, not use_typical, details)
+        typical_rule = typical if use_typical else None
+        generate = decode_with(lambda: drafter_for(shape), runner, typical_rule)
+        batches = batches_with(lambda: drafter_for(shape), aux_layer_ids, typical_rule)
+        return Method(name, kind, generate, not use_typical, details, batches)
     if kind == "draft_model":
         shape = Chain(depth=config.get("depth", 4), threshold=config.get("threshold"))
         model = draft_model()
         drafter = lambda: DraftModelDrafter(model, shape, compile=compile)  # noqa: E731
-        return Method(name, kind, decode_with(drafter, TargetRunner(target, compile=compile, graphs=graphs)))
+        generate = decode_with(drafter, TargetRunner(target, compile=compile, graphs=graphs))
+        return Method(name, kind, generate, generate_batch=batches_with(drafter))
     if kind == "lookahead":
         keys = ("window", "ngram", "guesses", "pool_per_token")
         missing = [key for key in keys if key not in config]
@@ -179,7 +223,8 @@ def build_method(
         settings = Lookahead(**{key: int(config[key]) for key in keys})
         drafter = lambda: LookaheadDrafter(settings)  # noqa: E731
         generate = decode_with(drafter, TargetRunner(target, compile=compile, graphs=graphs))
-        return Method(name, kind, generate, details={"lookahead": dataclasses.asdict(settings)})
+        details = {"lookahead": dataclasses.asdict(settings)}
+        return Method(name, kind, generate, details=details, generate_batch=batches_with(drafter))
     # HF generate
     prompt_lookup = config.get("prompt_lookup_tokens")
     assistant = draft_model() if config.get("assisted", False) else None

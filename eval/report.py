@@ -192,6 +192,65 @@ def summarize(records: Iterable[dict[str, Any]], plain_method: str = "plain") ->
     return report
 
 
+def summarize_batches(records: Iterable[dict[str, Any]], plain_method: str = "plain") -> dict[str, Any]:
+    """The batch benchmark's records (one per row, with ``batch_size``, ``batch`` and the batch's
+    ``wall_s``) -> ``{temperature: {"sizes": {B: {method: metrics}}, "crossover": …}}``.
+
+    Per batch size and method: throughput = tokens of every row ÷ the batches' wall time (tokens/s
+    over all rows), its ratio to plain decoding's at the same size, the median per-row latency
+    (ms per token from its batch's start to its own end), τ, and at T=0 how many rows equal plain
+    decoding's. ``crossover``: per method, the smallest batch size at which it is no faster
+    than plain decoding (None: faster at every size measured)."""
+    grouped: dict[float, dict[int, dict[str, list[dict[str, Any]]]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(list))
+    )
+    for record in records:
+        grouped[record["temperature"]][record["batch_size"]][record["method"]].append(record)
+    report: dict[str, Any] = {}
+    for temperature, sizes in sorted(grouped.items()):
+        section: dict[int, dict[str, Any]] = {}
+        for size, methods in sorted(sizes.items()):
+            plain = methods.get(plain_method)
+            entries = {}
+            for method, rows in methods.items():
+                walls = {r["batch"]: r["wall_s"] for r in rows}
+                tokens = sum(len(r["tokens"]) for r in rows)
+                entry = {
+                    "rows": len(rows),
+                    "tokens": tokens,
+                    "wall_s": round(sum(walls.values()), 3),
+                    "tokens_per_s": tokens / sum(walls.values()),
+                    "row_ms_per_token": statistics.median(
+                        1000 * r["total_s"] / len(r["tokens"]) for r in rows
+                    ),
+                    "tau": metrics(rows, None).get("tau"),
+                }
+                if temperature == 0 and plain is not None and method != plain_method:
+                    expected = {r["question_id"]: r["tokens"] for r in plain}
+                    same = sum(r["tokens"] == expected.get(r["question_id"]) for r in rows)
+                    entry["identical_to_plain"] = f"{same}/{len(rows)}"
+                entries[method] = entry
+            if plain is not None:
+                plain_rate = entries[plain_method]["tokens_per_s"]
+                for entry in entries.values():
+                    entry["speedup"] = entry["tokens_per_s"] / plain_rate
+            section[size] = entries
+        names = list(dict.fromkeys(m for entries in section.values() for m in entries if m != plain_method))
+        crossover = {
+            name: next(
+                (
+                    size
+                    for size, entries in section.items()
+                    if name in entries and entries[name].get("speedup", 0) <= 1
+                ),
+                None,
+            )
+            for name in names
+        }
+        report[f"T={temperature:g}"] = {"sizes": section, "crossover": crossover}
+    return report
+
+
 def plot(report: dict[str, Any], out_dir: Path) -> list[Path]:
     """acceptance_per_depth.png and speedup.png from :func:`summarize`'s output."""
     import matplotlib

@@ -13,11 +13,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import open_dict
 
+import specdraft.conf
 from specdraft.data.target import target_weights
 from specdraft.data.tiny import tiny_random_target
 from specdraft.eval.bench import RECORDS, BenchDirError, machine_info
-from specdraft.eval.cli import format_table, run
+from specdraft.eval.cli import format_batch_table, format_table, run
 from specdraft.eval.load import load_head
+from specdraft.eval.methods import METHOD_TYPES
 from specdraft.eval.prompts import Question, interleave, read_spec_bench
 from specdraft.eval.report import acceptance_per_depth, depth_attempts, paired_bootstrap
 from specdraft.heads.registry import build_head
@@ -153,6 +155,70 @@ def test_a_time_boxed_bench_stops_between_questions_and_resumes_without_its_box(
     report = run(compose_bench(tmp_path, "eval", "temperatures=[0.0]"))  # resumed without a box
     assert "time_box" not in report
     assert report["results"]["T=0"]["plain"]["overall"]["turns"] == 3
+
+
+def test_batch_bench_reports_throughput_per_batch_size_and_resumes(tmp_path):
+    """methods=batch batch_sizes=[1,2]: each size decodes the first turns B at a time, every row
+    equal to plain decoding's (fp32); the report has throughput, per-row latency and τ per size,
+    and the crossover; a kill mid-write resumes after the last complete batch."""
+    cfg = compose_bench(
+        tmp_path,
+        "bench",
+        "methods=batch",
+        "batch_sizes=[1,2]",
+        "temperatures=[0.0]",
+        "prompts.categories=null",
+    )
+    report = run(cfg)
+    section = report["batch"]["T=0"]
+    assert set(section["sizes"]) == {1, 2}
+    for size, methods in section["sizes"].items():
+        assert set(methods) == {"plain", "head_chain", "head_dynamic"}
+        # 3 questions: 3 batches of 1, or 1 batch of 2 (the last question left out: batches are full)
+        assert methods["plain"]["rows"] == (3 if size == 1 else 2)
+        for name in ("head_chain", "head_dynamic"):
+            entry = methods[name]
+            assert entry["identical_to_plain"] == f"{entry['rows']}/{entry['rows']}", (size, name)
+            assert entry["tokens_per_s"] > 0 and entry["row_ms_per_token"] > 0 and entry["tau"] >= 1
+            assert entry["speedup"] == pytest.approx(entry["tokens_per_s"] / methods["plain"]["tokens_per_s"])
+    assert set(section["crossover"]) == {"head_chain", "head_dynamic"}
+    assert "crossover" in format_batch_table(report["batch"])
+
+    records = Path(cfg.paths.output_dir) / RECORDS
+    lines = records.read_text().splitlines()
+    assert [(json.loads(line)["batch_size"], json.loads(line)["batch"]) for line in lines] == [
+        (1, 0), (1, 1), (1, 2), (2, 0)
+    ]  # fmt: skip
+    records.write_text("\n".join(lines[:2]) + "\n" + lines[2][:50])  # killed while writing batch (1, 2)
+    report = run(cfg)
+    again = records.read_text().splitlines()
+    assert again[:2] == lines[:2] and len(again) == 4
+    assert report["batch"]["T=0"]["sizes"][1]["plain"]["rows"] == 3
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["batch_sizes=[0,2]"], r"batch_sizes: expected a non-empty list of positive integers, got \[0, 2\]"),
+        (["batch_sizes=[]"], "batch_sizes: expected a non-empty list of positive integers"),
+        (["methods=batch", "batch_sizes=[4]"], r"batch_sizes \[4\]: larger than the 3 questions"),
+        (["methods=decoder", "batch_sizes=[1]"], "cannot decode batches"),
+    ],
+)
+def test_batch_bench_refuses_bad_settings_in_one_line(tmp_path, overrides, message):
+    cfg = compose_bench(tmp_path, "bench", "temperatures=[0.0]", "prompts.categories=null", *overrides)
+    with pytest.raises(ValueError, match=message):
+        run(cfg)
+    assert not (Path(cfg.paths.output_dir) / RECORDS).exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize(
+    "preset", sorted(p.stem for p in (Path(specdraft.conf.__file__).parent / "methods").glob("*.yaml"))
+)
+def test_every_methods_preset_composes_into_known_method_types(tmp_path, preset):
+    cfg = compose_bench(tmp_path, "bench", f"methods={preset}")
+    for name, spec in (cfg.methods or {}).items():
+        assert spec is None or spec.type in METHOD_TYPES, (preset, name)
 
 
 def test_spec_bench_reader_errors_name_the_line(tmp_path):
