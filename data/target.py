@@ -177,7 +177,7 @@ def _eos_token_ids(
     """Every id that ends an assistant turn, primary (tokenizer eos) first.
 
     The chat template's own end-of-turn token is included because tokenizers built from
-    GGUF metadata have been seen to name the wrong eos (DESIGN §5).
+    GGUF metadata have been seen to name the wrong eos (docs/architecture.md §5).
     """
     generation_eos = getattr(model.generation_config, "eos_token_id", None)
     if not isinstance(generation_eos, list):

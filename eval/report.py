@@ -4,7 +4,7 @@ A record is one method's answer to one turn: ``{"method", "question_id", "catego
 "temperature", "tokens", "total_s", "prefill_s", "stop", "steps": [[nodes, depth, accepted,
 draft_s, verify_s, bookkeeping_s], …]}`` (HF baselines have no steps).
 
-Metrics (DESIGN §3): τ = output tokens after the first ÷ target forwards after the prefill;
+Metrics (docs/architecture.md §3): τ = output tokens after the first ÷ target forwards after the prefill;
 α_d = P(depth d accepted | depth d−1 accepted and the tree reached depth d); tokens/s over the
 whole wall time (prefill included); speedup = tokens/s ÷ plain decoding's on the same turns.
 The estimate τ·t_target(1) / (t_draft + t_verify(n) + t_bookkeeping) is the speedup the
@@ -141,7 +141,7 @@ def lossless_check(records: Sequence[dict[str, Any]], plain: Sequence[dict[str, 
 
     Later turns condition on the method's own earlier answers, so ``first_turns`` is the clean
     comparison. In bf16, a tree forward rounds differently from single-token forwards, so
-    near-ties can part ways (DESIGN §6): that is reported, not assumed away."""
+    near-ties can part ways (docs/architecture.md §6): that is reported, not assumed away."""
     by_turn = {(r["question_id"], r["turn"]): r["tokens"] for r in plain}
     prefixes, exact, first_exact, first_total = [], 0, 0, 0
     for record in records:

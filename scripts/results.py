@@ -29,6 +29,10 @@ Stages (``--stages`` picks some):
   lookup, the head with ``shape: auto``; ``--lookahead-checkpoint``, default the committed
   quickstart head) on MT-bench first turns alternating with HumanEval problems
   (``--per-category``, ``--humaneval``), 128 new tokens, T=0;
+* ``batch``     — throughput against batch size: ONE ``specdraft-bench methods=batch
+  batch_sizes=[1,2,4,8,16]`` run (plain decoding, the head as a 3-chain and as the 12-node
+  EAGLE-2 tree; ``--batch-checkpoint``, default the committed quickstart head) on 16 MT-bench first
+  turns, 128 new tokens, T=0: tokens/s over all rows, per-row latency and the crossover batch size;
 * ``train_speed`` — training-step throughput per head kind of successive checkouts on the same
   cached features, from ``scripts/bench_train_step.py`` outputs (``--train-speed OLDEST … NEWEST``),
   with regeneration tokens/s from two ``specdraft-regen`` logs (``--regen-logs BEFORE AFTER``)
@@ -411,6 +415,24 @@ def decoder(checkpoint: str | None, per_category: int, placement: Placement) -> 
     )
 
 
+def batch(checkpoint: str, per_category: int, placement: Placement) -> None:
+    command(
+        "specdraft-bench",
+        "methods=batch",
+        f"checkpoint={checkpoint}",
+        f"batch_sizes={BATCH_SIZES}",
+        f"run_name={BATCH_RUN}",
+        f"paths.log_dir={RESULTS}",
+        f"prompts.path={MT_BENCH}",
+        f"prompts.per_category={per_category}",
+        "prompts.max_turns=1",
+        "max_new_tokens=128",
+        "temperatures=[0.0]",
+        "progress=false",
+        *placement.target(),
+    )
+
+
 def lookahead(checkpoint: str, per_category: int, humaneval: int, placement: Placement) -> None:
     command(
         "specdraft-bench",
@@ -484,6 +506,7 @@ def doc(decoder_provenance: str | None = None) -> None:
             lookahead_section,
             "python scripts/results.py --stages lookahead doc",
         ),
+        (BATCH_TITLE, batch_section, "python scripts/results.py --stages batch doc"),
         (GPU_TITLE, gpu_section, "a GPU session: see docs/results/gpu_h100.json"),
         (DECODER_GPU_TITLE, decoder_gpu_section, "a GPU session: see docs/results/decoder_gpu.json"),
         (
@@ -554,6 +577,24 @@ def snapshot_runs(decoder_provenance: str | None = None) -> None:
     snapshot = lookahead_snapshot()
     if snapshot is not None:
         write_json_atomic(SNAPSHOTS / LOOKAHEAD_SNAPSHOT, snapshot)
+    report = read_json(RESULTS / "bench" / BATCH_RUN / "report.json")
+    if report is not None:
+        write_json_atomic(
+            SNAPSHOTS / BATCH_SNAPSHOT,
+            {
+                "machine": report["machine"],
+                "head": Path(report["config"]["checkpoint"]).name,
+                "methods": {
+                    m: {k: v for k, v in d.items() if k != "checkpoint"} for m, d in report["methods"].items()
+                },
+                "config": {
+                    "prompts": {k: report["config"]["prompts"].get(k) for k in ("per_category", "max_turns")},
+                    "max_new_tokens": report["config"]["max_new_tokens"],
+                    "batch_sizes": report["config"]["batch_sizes"],
+                },
+                "batch": report["batch"],
+            },
+        )
     report = read_json(RESULTS / "bench" / "decoder" / "report.json")
     if report is not None:
         previous = read_json(SNAPSHOTS / "decoder.json") or {}
@@ -851,6 +892,10 @@ WALLCLOCK_ABLATION_TITLE = "## Earlier ablation: the same data, the same wall-cl
 CURVE_TITLE = "## τ vs training time and data"
 DECODER_TITLE = "## The decoder's own speed (`specdraft-bench methods=decoder`)"
 TRAIN_SPEED_TITLE = "## Training speed per head kind (`scripts/bench_train_step.py`)"
+BATCH_TITLE = "## Throughput against batch size (`methods=batch batch_sizes=[1,2,4,8,16]`)"
+BATCH_RUN = "batch"
+BATCH_SNAPSHOT = "batch.json"
+BATCH_SIZES = "[1,2,4,8,16]"
 LOOKAHEAD_TITLE = "## Lookahead decoding, HF prompt lookup and a trained head (`methods=lookahead`)"
 LOOKAHEAD_RUN = "lookahead"
 LOOKAHEAD_SNAPSHOT = "lookahead.json"
@@ -1313,6 +1358,78 @@ def gpu_section() -> list[str] | None:
     return lines
 
 
+def batch_section() -> list[str] | None:
+    """Throughput (tokens/s over all rows) and per-row latency per batch size, plain decoding vs
+    each method, and the crossover batch size."""
+    snapshot = read_json(SNAPSHOTS / BATCH_SNAPSHOT)
+    if snapshot is None:
+        return None
+    lines = [
+        f"Machine: {machine_line(snapshot)}. Prompts: {prompts_line(snapshot)}, T=0; the prompts are",
+        "decoded B at a time, every method on the same batch in turn (plain decoding first), each row",
+        f"with its own tree and accepted length (eval/batch.py). Head: `{snapshot['head']}` (the committed",
+        "quickstart head). Throughput counts every row's tokens over the batches' wall time (prefill",
+        "included; a batch lasts as long as its slowest row); per-row latency is the median over rows of",
+        "ms per token from the batch's start to the row's own end.",
+        "",
+        "| B | method | tok/s (all rows) | × plain | ms per token per row | τ | identical to plain |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for section in snapshot["batch"].values():
+        for size, methods in section["sizes"].items():
+            for name, entry in sorted(methods.items(), key=lambda item: item[0] != "plain"):
+                cells = [
+                    str(size),
+                    name,
+                    f"{entry['tokens_per_s']:.2f}",
+                    f"{entry['speedup']:.3f}×",
+                    f"{entry['row_ms_per_token']:.1f}",
+                    f"{entry['tau']:.2f}" if name != "plain" else "–",
+                    entry.get("identical_to_plain", "–"),
+                ]
+                lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+        for name, size in section["crossover"].items():
+            shape = shape_text(snapshot["methods"][name]["shape"])
+            lines.append(
+                f"- `{name}` (`{shape}`): "
+                + (
+                    f"no faster than plain decoding at batch size {size} (the crossover on this machine)."
+                    if size is not None
+                    else "faster than plain decoding at every batch size measured."
+                )
+            )
+    plot_batch(snapshot, DOCS / "results" / "batch_throughput.png")
+    return [*lines, "", "![throughput against batch size](results/batch_throughput.png)", ""]
+
+
+def plot_batch(snapshot: dict, path: Path) -> None:
+    """Tokens/s over all rows against batch size, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6.5, 4))
+    for section in snapshot["batch"].values():
+        sizes = sorted(section["sizes"], key=int)
+        methods = dict.fromkeys(m for size in sizes for m in section["sizes"][size])
+        for method in methods:
+            points = [
+                (int(size), section["sizes"][size][method]["tokens_per_s"])
+                for size in sizes
+                if method in section["sizes"][size]
+            ]
+            axes.plot(*zip(*points, strict=True), marker="o", label=method)
+    axes.set_xscale("log", base=2)
+    axes.set(xlabel="batch size B", ylabel="tokens/s over all rows", title="Throughput against batch size")
+    axes.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def decoder_section(name: str = "decoder.json") -> list[str] | None:
     snapshot = read_json(SNAPSHOTS / name)
     if snapshot is None:
@@ -1689,6 +1806,9 @@ def main() -> None:
     parser.add_argument(
         "--lookahead-checkpoint", default=str(QUICKSTART_HEAD), help="the head the lookahead stage benches"
     )
+    parser.add_argument(
+        "--batch-checkpoint", default=str(QUICKSTART_HEAD), help="the head the batch stage benches"
+    )
     parser.add_argument("--humaneval", type=int, default=16, help="HumanEval problems of the lookahead stage")
     parser.add_argument("--decoder-provenance", help="how that head was trained (kept in the snapshot)")
     parser.add_argument("--train-speed", nargs="+", type=Path, help="bench_train_step.py JSON, oldest first")
@@ -1712,6 +1832,8 @@ def main() -> None:
             curve(args.per_category)
         elif stage == "decoder":
             decoder(args.decoder_checkpoint, args.per_category, placement)
+        elif stage == "batch":
+            batch(args.batch_checkpoint, args.per_category, placement)
         elif stage == "lookahead":
             lookahead(args.lookahead_checkpoint, args.per_category, args.humaneval, placement)
         elif stage == "train_speed":

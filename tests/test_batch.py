@@ -38,6 +38,7 @@ from specdraft.eval.batch import (
 )
 from specdraft.eval.decode import plain_generate, speculative_generate
 from specdraft.eval.drafters import Chain, DynamicTree
+from specdraft.eval.lookahead import Lookahead, LookaheadDrafter
 from specdraft.eval.runner import TargetRunner
 
 MAX_NEW = 24
@@ -120,6 +121,19 @@ def test_rows_with_trees_of_different_sizes(target, alone):
     assert [g.tokens for g in generations] == alone[:rows]
     sizes = [{step.nodes for step in g.steps} for g in generations]
     assert sizes[0] == {2} and max(sizes[1]) == 5, sizes
+
+
+def test_lookahead_rows_equal_plain(target, alone):
+    """Lookahead decoding per row: its trees change size from step to step and row to row."""
+    rows = 4
+    drafters = [
+        LookaheadDrafter(Lookahead(window=3, ngram=3, guesses=3, pool_per_token=4)) for _ in range(rows)
+    ]
+    generations = speculative_generate_batch(
+        BatchRunner(target), drafters, prompts(target, rows), MAX_NEW, GREEDY, (), [None] * rows
+    )
+    assert [g.tokens for g in generations] == alone[:rows]
+    assert len({step.nodes for g in generations for step in g.steps}) > 1
 
 
 def test_rows_stop_at_their_own_eos(target, alone):

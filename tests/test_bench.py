@@ -356,7 +356,7 @@ def test_acceptance_per_depth_literal():
 
 def test_a_head_trained_by_specdraft_train_decodes_losslessly(tmp_path):
     """The checkpoint specdraft-train writes loads for decoding, and its greedy output is plain
-    greedy decoding's (the 'trained head' case of DESIGN §6, on the tiny target)."""
+    greedy decoding's (the 'trained head' case of docs/architecture.md §6, on the tiny target)."""
     from hydra.utils import instantiate
 
     from specdraft.eval.decode import plain_generate, speculative_generate

@@ -1,4 +1,4 @@
-"""The decode loop's invariants on the tiny fp32 target (DESIGN §6):
+"""The decode loop's invariants on the tiny fp32 target (docs/architecture.md §6):
 
 * greedy speculative output == plain greedy output, for untrained, oracle and adversarial
   drafts × chain, static tree, dynamic tree × Medusa, EAGLE, EAGLE-3 (and a draft model);

@@ -219,6 +219,54 @@ def test_decoder_section_reports_overheads_against_the_plain_step_and_the_auto_c
     assert (docs / "results.md").read_text() == text
 
 
+def test_batch_section_reports_throughput_per_size_and_the_crossover(results, tmp_path):
+    def entry(rate, speedup, tau=None, identical=None):
+        row = {"rows": 4, "tokens": 512, "wall_s": 512 / rate, "tokens_per_s": rate, "speedup": speedup}
+        row |= {"row_ms_per_token": 1000 / rate, "tau": tau}
+        return row | ({"identical_to_plain": identical} if identical else {})
+
+    report = {
+        "machine": MACHINE,
+        "config": {
+            "prompts": {"per_category": 2, "max_turns": 1, "path": "/somewhere"},
+            "max_new_tokens": 128,
+            "checkpoint": "/x/smollm2-135m-eagle",
+            "batch_sizes": [1, 4],
+        },
+        "methods": {
+            "plain": {"type": "plain", "lossless": True},
+            "head_dynamic": {
+                "type": "head",
+                "lossless": True,
+                "checkpoint": "/x/smollm2-135m-eagle",
+                "shape": {"kind": "dynamic", "depth": 3, "top_k": 4, "total_tokens": 12},
+            },
+        },
+        "batch": {
+            "T=0": {
+                "sizes": {
+                    "1": {"plain": entry(20.0, 1.0), "head_dynamic": entry(25.0, 1.25, 2.0, "16/16")},
+                    "4": {"plain": entry(50.0, 1.0), "head_dynamic": entry(40.0, 0.8, 2.0, "16/16")},
+                },
+                "crossover": {"head_dynamic": 4},
+            }
+        },
+    }
+    write(results.RESULTS / "bench" / "batch" / "report.json", report)
+    results.doc()
+    text = (tmp_path / "docs" / "results.md").read_text()
+    assert "| 1 | head_dynamic | 25.00 | 1.250× | 40.0 | 2.00 | 16/16 |" in text
+    assert "| 4 | plain | 50.00 | 1.000× | 20.0 | – | – |" in text
+    assert "no faster than plain decoding at batch size 4" in text
+    assert "{kind: dynamic, depth: 3, top_k: 4, total_tokens: 12}" in text
+    assert (tmp_path / "docs" / "results" / "batch_throughput.png").is_file()
+    snapshot = json.loads((tmp_path / "docs" / "results" / "batch.json").read_text())
+    assert (
+        "checkpoint" not in snapshot["methods"]["head_dynamic"]
+        and "path" not in snapshot["config"]["prompts"]
+    )
+
+
 def test_quickstart_runs_without_a_snapshot_keep_their_text_and_get_their_machine(results) -> None:
     previous = [
         "Machine: 2026-11-22, x86_64 × 2 cores.",

@@ -5,7 +5,7 @@ hidden size, K the Top-K size. Every term is a mean over the N positions (0 when
 terms of different steps and batches are comparable. ``step_loss`` combines them with
 :class:`LossWeights` and returns a dict of named terms plus ``loss``.
 
-The terms, by head (DESIGN §3):
+The terms, by head (docs/architecture.md §3):
 * Medusa: ``ce`` against the data's next tokens, step k weighted γ^k (the rollout step weight).
 * EAGLE-1/2: ``feature`` SmoothL1(ĥ, f) + 0.1 ``soft_ce``(softmax(lm_head f) ‖ lm_head ĥ).
 * EAGLE-3: ``soft_ce`` against the target distribution restricted to the draft vocabulary.

@@ -9,7 +9,7 @@ The target's next-token distribution is recomputed from its last hidden state th
 lm_head (no grad) inside :func:`specdraft.train.fused.fused_vocab_losses`, which evaluates every
 vocabulary-sized term chunk by chunk. HASS Top-K uses the cached top-k when the batch has one and the
 recomputed distribution otherwise. acc_j is the top-1 match between the draft and the target's
-argmax at the supervised positions; simulated τ = 1 + Σ_k Π_{i≤k} acc_i (DESIGN §3).
+argmax at the supervised positions; simulated τ = 1 + Σ_k Π_{i≤k} acc_i (docs/architecture.md §3).
 """
 
 from __future__ import annotations
