@@ -39,10 +39,11 @@ from specdraft.eval.sampling import Sampling, greedy_tokens
 
 @dataclass(frozen=True)
 class Typical:
-    """Medusa typical acceptance (LOSSY): accept x when p(x) > min(epsilon, delta·exp(−H(p)))."""
+    """Medusa typical acceptance (LOSSY): accept x when p(x) > min(epsilon, delta·exp(−H(p))).
+    The defaults live in conf/bench.yaml (``typical``)."""
 
-    epsilon: float = 0.09
-    delta: float = 0.3
+    epsilon: float
+    delta: float
 
 
 @dataclass

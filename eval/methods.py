@@ -210,7 +210,9 @@ def build_method(
         batches = batches_with(lambda: drafter_for(shape), aux_layer_ids, typical_rule)
         return Method(name, kind, generate, not use_typical, details, batches)
     if kind == "draft_model":
-        shape = Chain(depth=config.get("depth", 4), threshold=config.get("threshold"))
+        if "depth" not in config:  # its default lives in conf/methods (all.yaml)
+            raise ValueError(f"method {name}: draft_model needs depth (drafts per step)")
+        shape = Chain(depth=int(config["depth"]), threshold=config.get("threshold"))
         model = draft_model()
         drafter = lambda: DraftModelDrafter(model, shape, compile=compile)  # noqa: E731
         generate = decode_with(drafter, TargetRunner(target, compile=compile, graphs=graphs))

@@ -48,9 +48,10 @@ class EagleConfig:
 
 @dataclass(frozen=True)
 class Eagle3Config:
-    """EAGLE-3. ``draft_vocab_size``: None = the full target vocabulary."""
+    """EAGLE-3. ``draft_vocab_size``: None = the full target vocabulary (the training default, a
+    reduced one, is set in conf/head/eagle3.yaml)."""
 
-    draft_vocab_size: int | None = 32000
+    draft_vocab_size: int | None = None
     kind: str = "eagle3"
 
     def __post_init__(self) -> None:

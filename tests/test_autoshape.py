@@ -244,7 +244,7 @@ def test_a_method_with_shape_auto_reproduces_plain_greedy_output(tiny_target, ve
         shortlist=lambda: None,
         eos_ids=(),
         max_new_tokens=NEW_TOKENS,
-        typical=Typical(),
+        typical=Typical(epsilon=0.09, delta=0.3),
         choose_shape=chooser,
     )
     generation = method.generate(prompt, GREEDY, 0)

@@ -337,7 +337,7 @@ def test_sampling_runs_on_the_targets_device(device):
             shortlist=lambda: None,
             eos_ids=(),
             max_new_tokens=16,
-            typical=Typical(),
+            typical=Typical(epsilon=0.09, delta=0.3),
         )
         first = method.generate(prompt, Sampling(temperature=1.0), 3)
         assert len(first.tokens) == 16

@@ -288,3 +288,24 @@ def test_specdraft_export_from_a_run_dir_then_specdraft_eval_loads_it(target, tm
         export(compose_export(tmp_path, f"checkpoint={run_dir}", "dtype=half"))
     with pytest.raises(FileNotFoundError, match="no such file or run directory"):
         export(compose_export(tmp_path, f"checkpoint={tmp_path / 'nowhere'}"))
+
+
+class _NotTensors:
+    """A class a weights-only unpickler refuses to build."""
+
+
+@pytest.mark.parametrize("content", ["garbage", "truncated", "foreign pickle"])
+def test_a_corrupt_checkpoint_is_not_a_specdraft_checkpoint_in_one_line(tmp_path, content):
+    """Never torch's advice to retry with weights_only=False (code execution for an untrusted file)."""
+    path = tmp_path / "head.ckpt"
+    if content == "garbage":
+        path.write_bytes(b"\x00\x01 not a checkpoint at all")
+    elif content == "truncated":
+        torch.save({"state_dict": {"w": torch.zeros(64, 64)}}, path)
+        path.write_bytes(path.read_bytes()[:200])
+    else:
+        torch.save({"specdraft": _NotTensors()}, path)
+    with pytest.raises(FormatError, match=r"head\.ckpt: not a specdraft checkpoint \(") as caught:
+        read_checkpoint(path)
+    message = str(caught.value)
+    assert "\n" not in message and "weights_only" not in message

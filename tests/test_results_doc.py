@@ -232,15 +232,17 @@ def test_batch_section_reports_throughput_per_size_and_the_crossover(results, tm
             "max_new_tokens": 128,
             "checkpoint": "/x/smollm2-135m-eagle",
             "batch_sizes": [1, 4],
+            "methods": {
+                "head_dynamic": {
+                    "type": "head",
+                    "checkpoint": "/x/smollm2-135m-eagle",
+                    "shape": {"kind": "dynamic", "depth": 3, "top_k": 4, "total_tokens": 12},
+                }
+            },
         },
         "methods": {
             "plain": {"type": "plain", "lossless": True},
-            "head_dynamic": {
-                "type": "head",
-                "lossless": True,
-                "checkpoint": "/x/smollm2-135m-eagle",
-                "shape": {"kind": "dynamic", "depth": 3, "top_k": 4, "total_tokens": 12},
-            },
+            "head_dynamic": {"type": "head", "lossless": True},
         },
         "batch": {
             "T=0": {

@@ -60,6 +60,9 @@ PLAN_KEYS = ("budget_minutes", "conversations", "train_steps", "self_distill", "
 
 PLANNED_TRAIN_KEYS = ("trainer.max_steps", "trainer.max_time")  # overrides.train may not set them
 TRAIN_TIME_GUARD = 1.25  # training's max_time, × its ETA
+# MT-bench's categories: the fallback prompts (without Spec-Bench) take as many questions as
+# per_category × this, so the eval's size does not depend on which prompts are at hand.
+MT_BENCH_CATEGORIES = 8
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,7 @@ def stages(cfg: DictConfig, plan: Plan) -> list[Stage]:
     else:
         prompts = [
             f"prompts={cfg.eval.fallback_prompts}",
-            f"prompts.limit={8 * cfg.eval.per_category}",
+            f"prompts.limit={MT_BENCH_CATEGORIES * cfg.eval.per_category}",
             f"prompts.max_turns={cfg.eval.max_turns}",
         ]
     plan_stages.append(
@@ -216,7 +219,7 @@ def main(cfg: DictConfig) -> None:
     plan, throughput = load_or_make_plan(cfg)
     timings: dict[str, float] = {"probe": round(time.perf_counter() - started, 1)}
     eval_what = (
-        f"{8 * cfg.eval.per_category} first turns, {cfg.eval.max_new_tokens} new tokens, "
+        f"{MT_BENCH_CATEGORIES * cfg.eval.per_category} first turns, {cfg.eval.max_new_tokens} new tokens, "
         "stops when the next question would not fit"
     )
     print(describe(plan, throughput, hardware.name, eval_what, cfg.self_distill), flush=True)

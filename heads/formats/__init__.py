@@ -23,6 +23,7 @@ own lm_head carries that real lm_head, because vLLM's Medusa has no other source
 from __future__ import annotations
 
 import os
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -286,7 +287,17 @@ def read_checkpoint(path: str | os.PathLike) -> HeadRecord:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"head checkpoint {path} does not exist")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        # torch's own message advises weights_only=False: arbitrary code execution for a file we
+        # did not write. Say what the file is not, in one line.
+        raise FormatError(
+            f"{path}: not a specdraft checkpoint (it holds objects other than tensors and plain data)"
+        ) from None
+    except Exception as error:  # a truncated or foreign file: torch's first line says which
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise FormatError(f"{path}: not a specdraft checkpoint ({reason})") from None
     record = checkpoint.get(CHECKPOINT_KEY) if isinstance(checkpoint, dict) else None
     if not record or not {"kind", "config", "target_spec"} <= set(record):
         raise FormatError(f"{path}: not a specdraft training checkpoint (no {CHECKPOINT_KEY!r} record)")
