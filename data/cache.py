@@ -41,7 +41,13 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from specdraft.data.atomic import file_sha256, write_bytes_atomic, write_json_atomic
+from specdraft.data.atomic import (
+    SettingsMismatch,
+    check_or_store_settings,
+    file_sha256,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 from specdraft.data.chat import TokenizedConversation
 from specdraft.data.features import FeatureBatch, collate, extract_features, length_batches, pad_token_id
 from specdraft.data.target import Target
@@ -149,7 +155,10 @@ def write_cache(
         raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
     out_dir = Path(out_dir)
     plan = cache_plan(target, samples, fields, source, shard_tokens, batch_tokens)
-    _check_or_write_plan(out_dir, plan)
+    try:
+        check_or_store_settings(out_dir / "plan.json", plan)
+    except SettingsMismatch as error:
+        raise CacheError(f"{error}\nchoose another output directory or remove this one") from None
     mine = [i for i in range(len(plan["shards"])) if i % world_size == rank]
     for index in mine:  # temporary files of a killed run; only this rank writes these shards
         for stale in out_dir.glob(f".{plan['shards'][index]['name']}.*"):
@@ -407,39 +416,6 @@ def _check_fields(manifest: dict[str, Any], fields: StoredFields, where: str) ->
             f"{where} stores aux_layer_ids={cached['aux_layer_ids']} top_k={cached['top_k']}, "
             f"but aux_layer_ids={list(fields.aux_layer_ids)} top_k={fields.top_k} are needed"
         )
-
-
-def _check_or_write_plan(out_dir: Path, plan: dict[str, Any]) -> None:
-    path = out_dir / "plan.json"
-    if not path.is_file():
-        write_json_atomic(path, plan)
-        return
-    existing = _read_json(path)
-    if existing == plan:
-        return
-    details = "\n  ".join(_differences(existing, plan)) or "the shard plan"
-    raise CacheError(
-        f"{out_dir} already holds a cache of different inputs (nothing was changed):\n  {details}\n"
-        "choose another output directory or remove this one"
-    )
-
-
-def _differences(existing: Any, new: Any, path: str = "") -> list[str]:
-    """'key.sub: existing X, this run Y' for every leaf that differs (the shard list summarised)."""
-    if isinstance(existing, dict) and isinstance(new, dict) and path != "shards":
-        return [
-            line
-            for key in sorted(set(existing) | set(new), key=str)
-            for line in _differences(existing.get(key), new.get(key), f"{path}.{key}".lstrip("."))
-        ]
-    if existing == new:
-        return []
-    return [f"{path}: existing {_short(existing)}, this run {_short(new)}"]
-
-
-def _short(value: Any, limit: int = 300) -> str:
-    text = json.dumps(value, sort_keys=True, default=str)
-    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def _write_shard(out_dir: Path, name: str, tensors: dict[str, Tensor], samples) -> None:

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 from tqdm.auto import tqdm
 
-from specdraft.data.atomic import write_json_atomic
+from specdraft.data.atomic import SettingsMismatch, append_durably, check_or_store_settings, write_json_atomic
 from specdraft.data.conversations import Conversation
 from specdraft.data.generate import greedy_generate
 from specdraft.data.target import Target
@@ -313,7 +313,10 @@ def regenerate(
     }
     if max_turns is not None:  # absent when answering every turn: older outputs stay resumable
         header["max_turns"] = max_turns
-    _check_or_write_header(out_path.with_name(out_path.name + ".meta.json"), header)
+    try:
+        check_or_store_settings(out_path.with_name(out_path.name + ".meta.json"), header)
+    except SettingsMismatch as error:
+        raise ValueError(f"{error}\nchoose another out_path or remove the old output") from None
     chunks = [conversations[i : i + chunk_size] for i in range(0, len(conversations), chunk_size)]
     progress_path = out_path.with_name(out_path.name + ".progress.json")
     position = _resume_point(out_path, progress_path)
@@ -329,7 +332,7 @@ def regenerate(
                 chunks[chunk_index], responder, settings.seed, chunk_index, report, bar, max_turns
             )
             lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
-            _append_durably(out_path, lines)
+            append_durably(out_path, lines)
             position = {"chunks_done": chunk_index + 1, "bytes": position["bytes"] + len(lines)}
             write_json_atomic(progress_path, position)
             report.written += len(records)
@@ -388,21 +391,6 @@ def _user_turns(conversation: Conversation, max_turns: int | None) -> list[str]:
     return [m.content for m in conversation.messages if m.role == "user"][:max_turns]
 
 
-def _check_or_write_header(path: Path, header: dict[str, Any]) -> None:
-    header = json.loads(json.dumps(header))
-    if path.is_file():
-        existing = json.loads(path.read_text())
-        if existing != header:
-            keys = sorted(k for k in header if existing.get(k) != header[k])
-            details = "; ".join(f"{k}: existing {existing.get(k)!r}, this run {header[k]!r}" for k in keys)
-            raise ValueError(
-                f"{path} belongs to a regeneration with other settings ({details}); "
-                "choose another out_path or remove the old output"
-            )
-        return
-    write_json_atomic(path, header)
-
-
 def _resume_point(out_path: Path, progress_path: Path) -> dict[str, int]:
     """Chunks already done, with the output cut back to exactly their bytes (a kill after an
     append but before the progress update leaves a chunk that is generated again)."""
@@ -421,10 +409,3 @@ def _resume_point(out_path: Path, progress_path: Path) -> dict[str, int]:
             handle.truncate(progress["bytes"])
             os.fsync(handle.fileno())
     return progress
-
-
-def _append_durably(path: Path, data: bytes) -> None:
-    with path.open("ab") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())

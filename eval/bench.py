@@ -28,7 +28,13 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from specdraft.data.atomic import write_json_atomic
+from specdraft.data.atomic import (
+    SettingsMismatch,
+    append_durably,
+    check_or_store_settings,
+    cut_torn_tail,
+    write_json_atomic,
+)
 from specdraft.data.hardware import detect_hardware
 from specdraft.data.target import Target
 from specdraft.eval.decode import Generation
@@ -74,28 +80,18 @@ def prepare_output_dir(
     a torn last line of records.jsonl (a kill mid-write) is cut off."""
     out_dir.mkdir(parents=True, exist_ok=True)
     config_path, records_path = out_dir / RUN_CONFIG, out_dir / RECORDS
-    if config_path.exists():
-        stored = json.loads(config_path.read_text())
-        if not resume:
-            raise BenchDirError(
-                f"{out_dir} already holds a benchmark run; pass resume=true or a new run_name"
-            )
-        differing = sorted(k for k in set(stored) | set(config) if stored.get(k) != config.get(k))
-        if differing:
-            raise BenchDirError(
-                f"{out_dir} holds a run with another config (keys {differing}); use a new run_name"
-            )
-    else:
-        write_json_atomic(config_path, config)
+    if config_path.exists() and not resume:
+        raise BenchDirError(f"{out_dir} already holds a benchmark run; pass resume=true or a new run_name")
+    try:
+        check_or_store_settings(config_path, config)
+    except SettingsMismatch as error:
+        raise BenchDirError(f"{error}\nuse a new run_name") from None
     done: set[Hashable] = set()
     if records_path.exists():
-        raw = records_path.read_bytes()
-        keep = raw[: raw.rfind(b"\n") + 1]  # everything up to the last complete line
-        if len(keep) != len(raw):
-            log.warning("%s: dropping a torn last line (%d bytes)", records_path, len(raw) - len(keep))
-            with records_path.open("r+b") as handle:
-                handle.truncate(len(keep))
-        for line in keep.splitlines():
+        torn = cut_torn_tail(records_path)
+        if torn:
+            log.warning("%s: dropped a torn last line (%d bytes)", records_path, torn)
+        for line in records_path.read_bytes().splitlines():
             done.add(unit_key(json.loads(line)))
     return done
 
@@ -120,10 +116,7 @@ def read_records(out_dir: Path) -> list[dict[str, Any]]:
 
 
 def _append_unit(path: Path, unit: dict[str, Any]) -> None:
-    with path.open("a") as handle:
-        handle.write(json.dumps(unit, separators=(",", ":")) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    append_durably(path, (json.dumps(unit, separators=(",", ":")) + "\n").encode())
 
 
 def answer(

@@ -180,7 +180,8 @@ def test_another_target_into_the_same_directory_is_refused_untouched(tmp_path, t
     before = files_of(tmp_path)
     other = tiny_random_target(seed=1, num_layers=4, hidden_size=32, num_attention_heads=2, num_kv_heads=1)
     with pytest.raises(
-        CacheError, match=r"different inputs[\s\S]*target\.hidden_size: existing 64, this run 32"
+        CacheError,
+        match=r"other settings \(nothing was changed\):[\s\S]*target\.hidden_size: stored 64, now 32",
     ):
         write(other, samples_for(other), tmp_path)
     assert files_of(tmp_path) == before

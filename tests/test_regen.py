@@ -136,7 +136,9 @@ def test_batched_left_padded_answers_equal_single_prompt_answers(tmp_path):
 def test_other_settings_on_resume_are_refused(tmp_path):
     run(RecordingResponder(), tmp_path / "out.jsonl")
     before = (tmp_path / "out.jsonl").read_bytes()
-    with pytest.raises(ValueError, match=r"other settings \(settings: existing .*'temperature': 0.8"):
+    with pytest.raises(
+        ValueError, match=r"other settings \(nothing was changed\):[\s\S]*settings\.temperature: stored 0\.8"
+    ):
         regenerate(
             conversations(),
             RecordingResponder(),

@@ -100,7 +100,9 @@ def test_resume_continues_exactly(tmp_path):
 def test_a_changed_config_never_continues_an_old_run(tmp_path):
     train(compose_train(tmp_path, "experiment=eagle", "debug=smoke", "trainer.max_steps=2"))
     before = (tmp_path / "checkpoints" / "last.ckpt").read_bytes()
-    with pytest.raises(RunDirError, match=r"differs at: loss\.weights\.soft_ce"):
+    with pytest.raises(
+        RunDirError, match=r"different config:\n  loss\.weights\.soft_ce: stored 0\.1, now 0\.5"
+    ):
         train(compose_train(tmp_path, "experiment=eagle", "debug=smoke", "loss.weights.soft_ce=0.5"))
     with pytest.raises(RunDirError, match="resume=false"):
         train(compose_train(tmp_path, "experiment=eagle", "debug=smoke", "resume=false"))

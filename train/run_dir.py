@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from specdraft.data.atomic import write_bytes_atomic
+from specdraft.data.atomic import setting_differences, write_bytes_atomic
 
 RUN_CONFIG = "run_config.yaml"
 LAST_CHECKPOINT = "checkpoints/last.ckpt"
@@ -32,20 +32,6 @@ def flatten_config(config: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: config}
 
 
-def config_differences(stored: dict[str, Any], current: dict[str, Any], ignore: list[str]) -> list[str]:
-    """Dotted keys whose values differ, except keys equal to or under an ``ignore`` entry."""
-    a, b = flatten_config(stored), flatten_config(current)
-
-    ignore = [*ignore, "resume_ignore"]
-
-    def ignored(key: str) -> bool:
-        return any(key == i or key.startswith(i + ".") for i in ignore)
-
-    return sorted(
-        k for k in set(a) | set(b) if not ignored(k) and a.get(k, "<absent>") != b.get(k, "<absent>")
-    )
-
-
 def prepare_run_dir(
     run_dir: Path, config: dict[str, Any], resume: str | bool, ignore: list[str]
 ) -> str | None:
@@ -60,12 +46,13 @@ def prepare_run_dir(
         raise RunDirError(f"resume must be auto, true or false, got {resume!r}")
     if stored_path.is_file():
         stored = yaml.safe_load(stored_path.read_text())
-        differences = config_differences(stored, config, ignore)
+        # The resume rule of data/atomic.py; the keys that may change are the config's resume_ignore.
+        differences = setting_differences(stored, config, [*ignore, "resume_ignore"])
         if differences and checkpoint.is_file():
-            shown = ", ".join(differences[:12]) + (" …" if len(differences) > 12 else "")
+            shown = "\n  ".join(differences[:12]) + ("\n  …" if len(differences) > 12 else "")
             raise RunDirError(
-                f"{run_dir} holds a run with a different config (differs at: {shown}). Pick another "
-                "run_name=… (or hydra.run.dir=…) to start a new run; the existing one is left untouched"
+                f"{run_dir} holds a run with a different config:\n  {shown}\nPick another run_name=… "
+                "(or hydra.run.dir=…) to start a new run; the existing one is left untouched"
             )
     if checkpoint.is_file():
         if resume is False:
