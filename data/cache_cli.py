@@ -17,12 +17,14 @@ from omegaconf import DictConfig, OmegaConf
 from specdraft.data.cache import StoredFields, finalize_manifest, validate_cache, write_cache
 from specdraft.data.chat import tokenize_conversations
 from specdraft.data.conversations import split_conversations
+from specdraft.data.errors import user_errors
 from specdraft.data.hardware import start
 
 log = logging.getLogger(__name__)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="cache")
+@user_errors("specdraft-cache")
 def main(cfg: DictConfig) -> None:
     start("specdraft-cache", cfg.threads, cfg.target)
     if cfg.mode == "validate":

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from specdraft.data.atomic import write_json_atomic
 from specdraft.data.chat import TokenizedConversation, tokenize_conversations
 from specdraft.data.conversations import split_conversations
+from specdraft.data.errors import user_errors
 from specdraft.data.features import collate, extract_features, length_batches, pad_token_id
 from specdraft.data.hardware import start
 from specdraft.data.regen import GenerationSettings, TargetResponder
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="prepare")
+@user_errors("specdraft-prepare")
 def main(cfg: DictConfig) -> None:
     start("specdraft-prepare", cfg.threads, cfg.target)
     started = time.perf_counter()

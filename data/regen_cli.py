@@ -16,6 +16,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from specdraft.data.conversations import split_conversations
+from specdraft.data.errors import user_errors
 from specdraft.data.hardware import start
 from specdraft.data.regen import (
     AutoBatch,
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="regen")
+@user_errors("specdraft-regen")
 def main(cfg: DictConfig) -> None:
     start("specdraft-regen", cfg.threads, cfg.target)
     settings = GenerationSettings(**cfg.generation)

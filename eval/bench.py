@@ -54,7 +54,7 @@ TIME_BOX = "time_box.json"  # the clock of a time-boxed run, across resumes
 TURN_SEED_STRIDE = 1000
 
 
-class BenchDirError(RuntimeError):
+class BenchDirError(ValueError):
     pass
 
 

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from specdraft.data.atomic import write_json_atomic
 from specdraft.data.chat import assistant_token_counts, tokenize_conversations
 from specdraft.data.conversations import split_conversations
+from specdraft.data.errors import user_errors
 from specdraft.data.hardware import detect_hardware, start
 from specdraft.data.target import Target
 from specdraft.eval.autoshape import (
@@ -36,7 +37,7 @@ from specdraft.eval.autoshape import (
 )
 from specdraft.eval.baselines import load_draft_model
 from specdraft.eval.batch import check_batch_sizes
-from specdraft.eval.bench import BenchDirError, run_batch_benchmark, run_benchmark
+from specdraft.eval.bench import run_batch_benchmark, run_benchmark
 from specdraft.eval.decode import Typical
 from specdraft.eval.drafters import Drafter, TreeShape
 from specdraft.eval.graphs import resolve_graphs
@@ -51,20 +52,19 @@ log = logging.getLogger(__name__)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="bench")
+@user_errors("specdraft-bench")
 def bench_main(cfg: DictConfig) -> None:
     _main(cfg, "specdraft-bench")
 
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="eval")
+@user_errors("specdraft-eval")
 def eval_main(cfg: DictConfig) -> None:
     _main(cfg, "specdraft-eval")
 
 
 def _main(cfg: DictConfig, command: str) -> None:
-    try:
-        report = run(cfg, command)
-    except BenchDirError as error:
-        raise SystemExit(f"specdraft-bench: {error}") from None
+    report = run(cfg, command)
     if "batch" in report:
         print(format_batch_table(report["batch"]))
         print(f"report: {Path(cfg.paths.output_dir) / 'report.json'}")

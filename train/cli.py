@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from specdraft.data.atomic import write_json_atomic
 from specdraft.data.datamodule import FeatureDataModule
+from specdraft.data.errors import user_errors
 from specdraft.data.hardware import start
 from specdraft.data.target import Target, target_weights
 from specdraft.heads.registry import build_head
@@ -38,17 +39,15 @@ from specdraft.train.losses import LossWeights
 from specdraft.train.module import DraftHeadModule
 from specdraft.train.objective import DraftObjective
 from specdraft.train.rollout import RolloutConfig
-from specdraft.train.run_dir import RunDirError, prepare_run_dir
+from specdraft.train.run_dir import prepare_run_dir
 
 log = logging.getLogger(__name__)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="train")
+@user_errors("specdraft-train")
 def main(cfg: DictConfig) -> None:
-    try:
-        train(cfg)
-    except RunDirError as error:
-        raise SystemExit(f"specdraft-train: {error}") from None
+    train(cfg)
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:

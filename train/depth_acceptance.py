@@ -40,6 +40,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from specdraft.data.atomic import write_json_atomic
+from specdraft.data.errors import user_errors
 from specdraft.data.features import FeatureBatch
 from specdraft.data.hardware import start
 from specdraft.eval.bench import machine_info
@@ -212,6 +213,7 @@ def measure_run(run_dir: Path, checkpoint: Path | None, depth: int) -> dict[str,
     }
 
 
+@user_errors("specdraft-depth-acceptance")
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

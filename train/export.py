@@ -21,6 +21,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from specdraft.data.errors import user_errors
 from specdraft.data.hardware import start
 from specdraft.data.target import Target, target_weights
 from specdraft.heads.formats import FORMATS, FormatError, read_checkpoint, write_export
@@ -32,11 +33,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="export")
+@user_errors("specdraft-export")
 def main(cfg: DictConfig) -> None:
-    try:
-        export(cfg)
-    except (FormatError, FileNotFoundError) as error:
-        raise SystemExit(f"specdraft-export: {error}") from None
+    export(cfg)
 
 
 def export(cfg: DictConfig) -> Path:

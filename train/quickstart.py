@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdraft.data.atomic import write_json_atomic
 from specdraft.data.cache import StoredFields
+from specdraft.data.errors import user_errors
 from specdraft.data.hardware import start
 from specdraft.train.budget import (
     BudgetError,
@@ -207,6 +208,7 @@ def lightning_duration(seconds: float) -> str:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="quickstart")
+@user_errors("specdraft-quickstart")
 def main(cfg: DictConfig) -> None:
     hardware = start("specdraft-quickstart", cfg.threads).hardware
     if not Path(cfg.eval.mt_bench).is_file():

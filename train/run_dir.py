@@ -19,7 +19,7 @@ RUN_CONFIG = "run_config.yaml"
 LAST_CHECKPOINT = "checkpoints/last.ckpt"
 
 
-class RunDirError(RuntimeError):
+class RunDirError(ValueError):
     pass
 
 

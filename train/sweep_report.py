@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from specdraft.data.atomic import write_bytes_atomic, write_json_atomic
+from specdraft.data.errors import user_errors
 from specdraft.train.run_dir import RUN_CONFIG, flatten_config
 
 DEFAULT_METRIC = "val/sim_tau"
@@ -177,6 +178,7 @@ def write_report(roots: list[Path], out_dir: Path, metric: str = DEFAULT_METRIC)
     return report
 
 
+@user_errors("specdraft-sweep-report")
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("roots", nargs="+", type=Path, help="sweep / run directories to search")

@@ -1,0 +1,173 @@
+"""Every command's user errors: ONE line on stderr, ``<command>: error: …``, exit code 2, and the
+traceback only with SPECDRAFT_DEBUG=1 (data/errors.py). Each command runs in-process, as its
+console script does, on the tiny target."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from hydra.core.global_hydra import GlobalHydra
+
+from specdraft.data import cache_cli, prepare, regen_cli
+from specdraft.data.errors import USER_ERROR_EXIT_CODE, user_errors
+from specdraft.eval import cli as eval_cli
+from specdraft.train import cli as train_cli
+from specdraft.train import depth_acceptance, export, quickstart, sweep_report
+from tests.test_bench import save_tiny_checkpoint
+
+
+def run_command(entry: Callable[[], None], command: str, *args: str, monkeypatch, capsys) -> str:
+    """Run ``entry`` as the console script ``command`` with ``args``; its stderr's last line."""
+    GlobalHydra.instance().clear()
+    monkeypatch.setattr(sys, "argv", [command, *args])
+    with pytest.raises(SystemExit) as stop:
+        entry()
+    assert stop.value.code == USER_ERROR_EXIT_CODE, capsys.readouterr()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines, "nothing on stderr"
+    assert lines[-1].startswith(f"{command}: error: "), lines[-3:]
+    return lines[-1]
+
+
+def hydra_args(tmp_path: Path) -> list[str]:
+    return [f"hydra.run.dir={tmp_path / 'hydra'}", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+
+
+def corrupt_checkpoint(tmp_path: Path) -> Path:
+    path = tmp_path / "corrupt.ckpt"
+    path.write_bytes(b"PK\x03\x04 truncated")
+    return path
+
+
+@pytest.mark.parametrize(
+    "entry,command,args,expected",
+    [
+        (
+            eval_cli.bench_main,
+            "specdraft-bench",
+            lambda t: [
+                "target=tiny_random",
+                "prompts=tiny",
+                f"checkpoint={t / 'missing.ckpt'}",
+                "methods=head",
+            ],
+            "missing.ckpt does not exist",
+        ),
+        (
+            eval_cli.eval_main,
+            "specdraft-eval",
+            lambda t: ["target=tiny_random", "prompts=tiny", f"checkpoint={corrupt_checkpoint(t)}"],
+            "corrupt.ckpt: not a specdraft checkpoint",
+        ),
+        (
+            eval_cli.eval_main,
+            "specdraft-eval",
+            lambda t: [
+                "target=tiny_random",
+                "target.hidden_size=32",
+                "prompts=tiny",
+                f"checkpoint={save_tiny_checkpoint(t / 'head.ckpt')}",
+            ],
+            "tiny-random-llama-seed0",  # the head's target, not this one
+        ),
+        (
+            eval_cli.bench_main,
+            "specdraft-bench",
+            lambda t: ["target=tiny_random", "prompts=tiny", "checkpoint=x", "batch_sizes=[0]"],
+            "batch_sizes: expected a non-empty list of positive integers",
+        ),
+        (
+            export.main,
+            "specdraft-export",
+            lambda t: ["target=tiny_random", f"checkpoint={corrupt_checkpoint(t)}", "format=native"],
+            "not a specdraft checkpoint",
+        ),
+        (
+            export.main,
+            "specdraft-export",
+            lambda t: ["target=tiny_random", f"checkpoint={t / 'missing.ckpt'}", "format=nonsense"],
+            "format='nonsense'; expected one of",
+        ),
+        (
+            cache_cli.main,
+            "specdraft-cache",
+            lambda t: ["target=tiny_random", "data=tiny", "mode=bogus", f"out_dir={t / 'cache'}"],
+            "mode must be 'write' or 'validate', got 'bogus'",
+        ),
+        (
+            regen_cli.main,
+            "specdraft-regen",
+            lambda t: ["target=tiny_random", "data=tiny", "batch_size=0", f"out_path={t / 'out.jsonl'}"],
+            "batch_size must be >= 1 or 'auto', got 0",
+        ),
+        (
+            train_cli.main,
+            "specdraft-train",
+            lambda t: [
+                "experiment=eagle",
+                "debug=smoke",
+                "target=tiny_random",
+                "resume=maybe",
+                f"paths.output_dir={t}",
+            ],
+            "resume must be auto, true or false, got 'maybe'",
+        ),
+        (
+            quickstart.main,
+            "specdraft-quickstart",
+            lambda t: ['overrides.train=["trainer.max_steps=800"]', f"paths.log_dir={t}"],
+            "overrides.train sets trainer.max_steps",  # refused before anything is probed
+        ),
+        (
+            prepare.main,
+            "specdraft-prepare",
+            lambda t: [
+                "target=tiny_random",
+                "data=tiny",
+                "data.heldout_fraction=2.0",
+                f"paths.output_dir={t}",
+            ],
+            "heldout_fraction",
+        ),
+        (sweep_report.main, "specdraft-sweep-report", lambda t: [str(t / "no-sweep-here")], "no-sweep-here"),
+        (
+            depth_acceptance.main,
+            "specdraft-depth-acceptance",
+            lambda t: [str(t), "--out", str(t / "depth.json")],
+            "no run_config.yaml (not a specdraft-train run dir)",
+        ),
+    ],
+    ids=lambda value: value if isinstance(value, str) and value.startswith("specdraft") else "",
+)
+def test_user_errors_are_one_line_with_exit_code_2(
+    tmp_path, monkeypatch, capsys, entry, command, args, expected
+):
+    hydra = (
+        [] if command in ("specdraft-sweep-report", "specdraft-depth-acceptance") else hydra_args(tmp_path)
+    )
+    line = run_command(entry, command, *args(tmp_path), *hydra, monkeypatch=monkeypatch, capsys=capsys)
+    assert expected in line, line
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_the_traceback_shows_with_the_debug_flag_and_bugs_keep_theirs(monkeypatch, capsys):
+    @user_errors("specdraft-demo")
+    def bad_value() -> None:
+        raise ValueError("step must be positive,\n  got -1")
+
+    @user_errors("specdraft-demo")
+    def bug() -> None:
+        raise TypeError("a bug, not a user error")
+
+    with pytest.raises(SystemExit) as stop:
+        bad_value()
+    assert stop.value.code == USER_ERROR_EXIT_CODE
+    assert capsys.readouterr().err == "specdraft-demo: error: step must be positive,; got -1\n"
+    with pytest.raises(TypeError):
+        bug()
+    monkeypatch.setenv("SPECDRAFT_DEBUG", "1")
+    with pytest.raises(ValueError, match="step must be positive"):
+        bad_value()
