@@ -45,7 +45,6 @@ class FeatureBatch:
     hidden      B×T×H      last hidden state after the final norm, target dtype
     aux         B×T×(k·H)  hidden_states[i] for the k requested aux layer ids, concatenated in
                            the order given (None unless requested)
-    logits      B×T×V      fp32 target logits (None unless requested)
     topk_ids    B×T×K      the target's K most likely next tokens (None unless top_k > 0)
     topk_probs  B×T×K      their fp32 probabilities under the full softmax
     input_hidden B×T×H     the features the head reads when they differ from ``hidden`` (EAGLE's
@@ -58,7 +57,6 @@ class FeatureBatch:
     loss_mask: Tensor
     hidden: Tensor
     aux: Tensor | None = None
-    logits: Tensor | None = None
     topk_ids: Tensor | None = None
     topk_probs: Tensor | None = None
     input_hidden: Tensor | None = None
@@ -122,7 +120,6 @@ def extract_features(
     target: Target,
     batch: TokenBatch,
     aux_layer_ids: Sequence[int] = (),
-    with_logits: bool = False,
     top_k: int = 0,
     lm_head_chunk_tokens: int = DEFAULT_LM_HEAD_CHUNK_TOKENS,
 ) -> FeatureBatch:
@@ -130,8 +127,8 @@ def extract_features(
 
     ``aux_layer_ids`` use the hidden_states convention of :mod:`specdraft.heads.spec` (id i =
     the stream entering decoder layer i); they are captured with forward pre-hooks, so only the
-    requested layers are kept, not all N+1 hidden states. The lm_head runs only when logits or
-    top-k are asked for, over real tokens only, ``lm_head_chunk_tokens`` at a time (a full
+    requested layers are kept, not all N+1 hidden states. The lm_head runs only when the
+    top-k is asked for, over real tokens only, ``lm_head_chunk_tokens`` at a time (a full
     B×T×V fp32 tensor for a 49k vocabulary is 200 kB per token).
     """
     device = target.device
@@ -169,34 +166,26 @@ def extract_features(
         hidden=hidden,
         aux=torch.cat([captured[i] for i in aux_layer_ids], dim=-1) * keep if aux_layer_ids else None,
     )
-    if with_logits or top_k > 0:
-        _lm_head_outputs(target, features, top_k, with_logits, lm_head_chunk_tokens)
+    if top_k > 0:
+        _lm_head_outputs(target, features, top_k, lm_head_chunk_tokens)
     return features
 
 
-def _lm_head_outputs(
-    target: Target, features: FeatureBatch, top_k: int, with_logits: bool, chunk: int
-) -> None:
-    """Fill ``features.topk_*`` / ``features.logits`` from the frozen lm_head, ``chunk`` real tokens at
-    a time. Only the requested outputs are allocated: top-k alone never holds more than one
-    chunk of fp32 logits (B×T×V fp32 would be 1.6 GB for an 8k-token batch of a 49k vocab)."""
+def _lm_head_outputs(target: Target, features: FeatureBatch, top_k: int, chunk: int) -> None:
+    """Fill ``features.topk_*`` from the frozen lm_head, ``chunk`` real tokens at a time: never
+    more than one chunk of fp32 logits (B×T×V fp32 would be 1.6 GB for an 8k-token batch of a
+    49k vocabulary)."""
     lm_head = target.model.get_output_embeddings()
     hidden = features.hidden
     batch_size, length, _ = hidden.shape
     flat_index = features.attention_mask.to(hidden.device).reshape(-1).nonzero().squeeze(-1)
     flat_hidden = hidden.reshape(batch_size * length, -1)
     zeros = partial(torch.zeros, device=hidden.device)
-    if with_logits:
-        features.logits = zeros(batch_size, length, lm_head.out_features, dtype=torch.float32)
-    if top_k > 0:
-        features.topk_probs = zeros(batch_size, length, top_k, dtype=torch.float32)
-        features.topk_ids = zeros(batch_size, length, top_k, dtype=torch.long)
+    features.topk_probs = zeros(batch_size, length, top_k, dtype=torch.float32)
+    features.topk_ids = zeros(batch_size, length, top_k, dtype=torch.long)
     for start in range(0, flat_index.numel(), chunk):
         index = flat_index[start : start + chunk]
         logits = lm_head(flat_hidden[index]).float()
-        if with_logits:
-            features.logits.view(batch_size * length, -1)[index] = logits
-        if top_k > 0:
-            probs, ids = logits.softmax(dim=-1).topk(top_k, dim=-1)
-            features.topk_probs.view(batch_size * length, top_k)[index] = probs
-            features.topk_ids.view(batch_size * length, top_k)[index] = ids
+        probs, ids = logits.softmax(dim=-1).topk(top_k, dim=-1)
+        features.topk_probs.view(batch_size * length, top_k)[index] = probs
+        features.topk_ids.view(batch_size * length, top_k)[index] = ids

@@ -39,11 +39,6 @@ class TreeBuffers:
         return len(self.parents)
 
 
-def chain_paths(depth: int) -> list[tuple[int, ...]]:
-    """The paths of a chain of ``depth`` top-1 drafts."""
-    return [(0,) * d for d in range(1, depth + 1)]
-
-
 def tree_buffers(paths: Sequence[Sequence[int]]) -> TreeBuffers:
     """Buffers for a static tree given by ``paths`` (every prefix of a path must be a path too;
     no paths at all is the root alone)."""

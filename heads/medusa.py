@@ -96,8 +96,3 @@ class MedusaHead(nn.Module):
     def forward(self, hidden: Tensor) -> Tensor:
         """hidden ...×H (post-norm last hidden states) -> logits K×...×V."""
         return torch.stack([self.head_logits(hidden, k) for k in range(self.num_heads)])
-
-    def draft_logits(self, last_hidden: Tensor) -> Tensor:
-        """One-step drafting API: the last accepted position's hidden state B×H -> K×B×V, where
-        row k ranks the candidates for the token k+2 positions after it."""
-        return self(last_hidden)

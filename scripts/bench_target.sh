@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 make -s install-assets
-exec .venv/bin/python -m specdraft.data.benchmark "$@"
+exec .venv/bin/python scripts/bench_target.py "$@"

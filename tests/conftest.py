@@ -88,3 +88,8 @@ def compose_train(run_dir: Path, *overrides: str):
     with open_dict(cfg):
         del cfg.hydra
     return cfg
+
+
+def chain_paths(depth: int) -> list[tuple[int, ...]]:
+    """The tree paths (eval/trees.py) of a chain of ``depth`` top-1 drafts."""
+    return [(0,) * d for d in range(1, depth + 1)]

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import chain_paths
 from test_decode import GREEDY, MAX_NEW, prompt_ids, random_head, runner_for
 
 from specdraft.eval.acceptance import greedy_accept, greedy_accept_tree
 from specdraft.eval.decode import plain_generate, speculative_generate
 from specdraft.eval.drafters import Chain, Drafter, DynamicTree, FeatureHeadDrafter
 from specdraft.eval.runner import TargetRunner
-from specdraft.eval.trees import chain_paths, tree_buffers, tree_from_parents
+from specdraft.eval.trees import tree_buffers, tree_from_parents
 
 SHAPES = {"chain": Chain(depth=4), "dynamic": DynamicTree(depth=4, top_k=3, total_tokens=10)}
 KINDS = ["eagle", "eagle3", "eagle3-reduced"]

@@ -25,10 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import requires_package
-from omegaconf import OmegaConf
-
-from specdraft.data.target import load_packaged_gguf_target
-from specdraft.eval.interop import (
+from interop import (
     chain_acceptance,
     run_vllm,
     specdraft_chain_decode,
@@ -36,6 +33,9 @@ from specdraft.eval.interop import (
     vllm_unavailable,
     write_serving_target,
 )
+from omegaconf import OmegaConf
+
+from specdraft.data.target import load_packaged_gguf_target
 from specdraft.eval.load import load_head
 from specdraft.eval.prompts import read_spec_bench, sharegpt_heldout
 from specdraft.train.export import export

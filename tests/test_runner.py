@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import chain_paths
 
 from specdraft.data.features import TokenBatch, extract_features
 from specdraft.data.tiny import tiny_random_target
 from specdraft.eval.runner import TargetRunner
-from specdraft.eval.trees import chain_paths, tree_buffers
+from specdraft.eval.trees import tree_buffers
 
 
 def fresh_logits(target, tokens: list[int]) -> torch.Tensor:

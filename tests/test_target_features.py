@@ -63,7 +63,7 @@ def test_aux_layers_follow_the_hidden_states_convention(tiny_target):
 def test_batched_padded_features_equal_unpadded_single_sequences(tiny_target):
     samples = tokenized_samples(tiny_target)
     batch = collate(samples, tiny_target.spec.pad_token_id)
-    features = extract_features(tiny_target, batch, tiny_target.spec.aux_layer_ids, with_logits=True, top_k=5)
+    features = extract_features(tiny_target, batch, tiny_target.spec.aux_layer_ids, top_k=5)
     for row, sample in enumerate(samples):
         single = extract_features(tiny_target, collate([sample], 0), tiny_target.spec.aux_layer_ids, top_k=5)
         n = len(sample.input_ids)
@@ -71,16 +71,15 @@ def test_batched_padded_features_equal_unpadded_single_sequences(tiny_target):
         torch.testing.assert_close(features.aux[row, :n], single.aux[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(features.topk_probs[row, :n], single.topk_probs[0], atol=1e-5, rtol=1e-5)
         assert torch.equal(features.loss_mask[row, :n], torch.tensor(sample.loss_mask))
-        for padded in (features.hidden, features.aux, features.logits, features.topk_probs):
+        for padded in (features.hidden, features.aux, features.topk_probs):
             assert not padded[row, n:].any()
 
 
-def test_logits_and_topk_match_the_model(tiny_target):
+def test_topk_matches_the_model(tiny_target):
     batch = collate(tokenized_samples(tiny_target), tiny_target.spec.pad_token_id)
-    features = extract_features(tiny_target, batch, with_logits=True, top_k=4, lm_head_chunk_tokens=7)
+    features = extract_features(tiny_target, batch, top_k=4, lm_head_chunk_tokens=7)
     logits = tiny_target.model(batch.input_ids, attention_mask=batch.attention_mask).logits.float()
     valid = batch.attention_mask.bool()
-    torch.testing.assert_close(features.logits[valid], logits[valid], atol=1e-5, rtol=1e-5)
     probs, ids = logits.softmax(-1).topk(4, dim=-1)
     torch.testing.assert_close(features.topk_probs[valid], probs[valid], atol=1e-6, rtol=1e-5)
     assert torch.equal(features.topk_ids[valid], ids[valid])

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import chain_paths
 
-from specdraft.eval.trees import best_static_tree, chain_paths, tree_buffers, tree_from_ancestors
+from specdraft.eval.trees import best_static_tree, tree_buffers, tree_from_ancestors
 
 
 def test_small_tree_literal():

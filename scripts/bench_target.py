@@ -1,8 +1,8 @@
 """Target and cache benchmarks, measured interleaved so that machine noise hits every variant
 alike. Write JSON.
 
-    python -m specdraft.data.benchmark --out outputs/bench_target.json            # load + forward
-    python -m specdraft.data.benchmark --cache --out outputs/bench_cache.json     # caching vs forward
+    python scripts/bench_target.py --out outputs/bench_target.json            # load + forward
+    python scripts/bench_target.py --cache --out outputs/bench_cache.json     # caching vs forward
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def main() -> None:
     parser.add_argument("--cache", action="store_true", help="benchmark feature caching instead")
     parser.add_argument("--conversations", type=int, default=40, help="ShareGPT conversations (--cache)")
     args = parser.parse_args()
-    hardware = start("specdraft.data.benchmark", args.threads).hardware
+    hardware = start("scripts/bench_target.py", args.threads).hardware
 
     from specdraft.data.target import load_packaged_gguf_target
 
