@@ -313,9 +313,9 @@ class TargetRunner:
         return output
 
     def extend(self, input_ids: Tensor) -> TargetOutput:
-        """Run n more tokens causally after the committed past and commit them (plain decoding
-        is ``extend`` of one token; a new chat turn is ``extend`` of the turn's tokens: replayed
-        only when it is one token)."""
+        """Run n more tokens causally after the committed past and commit them: plain decoding's
+        step is ``extend`` of one token (replayed from a CUDA graph on a static runner; more
+        tokens run the same static step eagerly)."""
         self._pending = 0  # uncommitted entries are overwritten
         n = len(input_ids)
         output = self._forward(input_ids, self.length + torch.arange(n), None, replay=n == 1)
