@@ -262,12 +262,7 @@ def run_benchmark(
             box["spent_s"] += time.perf_counter() - unit_started
             box["units"] += 1
             write_json_atomic(out_dir / TIME_BOX, box)
-    report = {
-        "machine": machine_info(target.device),
-        "config": config,
-        "methods": {m.name: {"type": m.type, "lossless": m.lossless, **m.details} for m in methods},
-        "results": summarize(read_records(out_dir)),
-    }
+    report = {**report_head(target, config, methods), "results": summarize(read_records(out_dir))}
     if max_seconds is not None:
         report["time_box"] = {"max_seconds": max_seconds, "units_left": left}
     write_json_atomic(out_dir / REPORT, report)
@@ -340,14 +335,18 @@ def run_batch_benchmark(
                 "records": records,
             },
         )
-    report = {
+    report = {**report_head(target, config, methods), "batch": summarize_batches(read_records(out_dir))}
+    write_json_atomic(out_dir / REPORT, report)
+    return report
+
+
+def report_head(target: Target, config: dict[str, Any], methods: Sequence[Method]) -> dict[str, Any]:
+    """What every report starts with: the machine, the config, and how each method was set up."""
+    return {
         "machine": machine_info(target.device),
         "config": config,
         "methods": {m.name: {"type": m.type, "lossless": m.lossless, **m.details} for m in methods},
-        "batch": summarize_batches(read_records(out_dir)),
     }
-    write_json_atomic(out_dir / REPORT, report)
-    return report
 
 
 def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:

@@ -133,34 +133,32 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
     # The time box limits this invocation, it does not change what is measured: a resumed run may
     # have another one.
     config = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "max_minutes"}
+    temperatures = [float(t) for t in cfg.temperatures]
+    out_dir, sampling_for = Path(cfg.paths.output_dir), lambda t: Sampling(t, cfg.top_p, cfg.top_k)
+    run_settings = {"seed": cfg.seed, "resume": cfg.resume, "progress": cfg.progress, "warmup": cfg.warmup}
     if batch_sizes is not None:
         return run_batch_benchmark(
             target,
             questions,
             methods,
             batch_sizes,
-            [float(t) for t in cfg.temperatures],
-            lambda t: Sampling(t, cfg.top_p, cfg.top_k),
-            Path(cfg.paths.output_dir),
+            temperatures,
+            sampling_for,
+            out_dir,
             config,
-            seed=cfg.seed,
-            resume=cfg.resume,
-            progress=cfg.progress,
-            warmup=cfg.warmup,
+            **run_settings,
         )
+    max_seconds = 60 * cfg.max_minutes if cfg.max_minutes is not None else None
     return run_benchmark(
         target,
         questions,
         methods,
-        [float(t) for t in cfg.temperatures],
-        lambda t: Sampling(t, cfg.top_p, cfg.top_k),
-        Path(cfg.paths.output_dir),
+        temperatures,
+        sampling_for,
+        out_dir,
         config,
-        seed=cfg.seed,
-        resume=cfg.resume,
-        progress=cfg.progress,
-        max_seconds=60 * cfg.max_minutes if cfg.max_minutes is not None else None,
-        warmup=cfg.warmup,
+        max_seconds=max_seconds,
+        **run_settings,
     )
 
 

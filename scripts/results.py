@@ -399,29 +399,22 @@ def sweep(steps: int, features: Path | None, grid: dict[str, str], placement: Pl
 def decoder(checkpoint: str | None, per_category: int, placement: Placement) -> None:
     if checkpoint is None:
         raise SystemExit("the decoder stage needs --decoder-checkpoint (a trained EAGLE head)")
-    command(
-        "specdraft-bench",
-        "methods=decoder",
-        f"checkpoint={checkpoint}",
-        "run_name=decoder",
-        f"paths.log_dir={RESULTS}",
-        f"prompts.path={MT_BENCH}",
-        f"prompts.per_category={per_category}",
-        "prompts.max_turns=1",
-        "max_new_tokens=128",
-        "temperatures=[0.0]",
-        "progress=false",
-        *placement.target(),
-    )
+    first_turns_bench("decoder", "decoder", checkpoint, per_category, placement)
 
 
 def batch(checkpoint: str, per_category: int, placement: Placement) -> None:
+    first_turns_bench("batch", BATCH_RUN, checkpoint, per_category, placement, f"batch_sizes={BATCH_SIZES}")
+
+
+def first_turns_bench(
+    methods: str, run_name: str, checkpoint: str, per_category: int, placement: Placement, *overrides: str
+) -> None:
+    """ONE specdraft-bench run of the ``methods`` preset on MT-bench first turns, 128 new tokens, T=0."""
     command(
         "specdraft-bench",
-        "methods=batch",
+        f"methods={methods}",
         f"checkpoint={checkpoint}",
-        f"batch_sizes={BATCH_SIZES}",
-        f"run_name={BATCH_RUN}",
+        f"run_name={run_name}",
         f"paths.log_dir={RESULTS}",
         f"prompts.path={MT_BENCH}",
         f"prompts.per_category={per_category}",
@@ -429,6 +422,7 @@ def batch(checkpoint: str, per_category: int, placement: Placement) -> None:
         "max_new_tokens=128",
         "temperatures=[0.0]",
         "progress=false",
+        *overrides,
         *placement.target(),
     )
 
