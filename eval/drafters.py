@@ -678,6 +678,26 @@ class MedusaDrafter(Drafter):
         return growth.draft(list(range(1, len(growth.nodes))), self._memoised_tree)
 
 
+def drafter_for_head(
+    head: nn.Module,
+    shape: TreeShape,
+    vocab_shortlist: Tensor | None = None,
+    compile: bool = False,
+    graphs: bool = False,
+) -> Drafter:
+    """The drafter of a trained head — the one place that maps a head's kind to how it drafts:
+    feature heads autoregressively (a shortlist applies to EAGLE-1/2), Medusa heads in parallel
+    (a shortlist is ignored: its heads rank their own vocabulary). ``graphs``: CUDA graphs for the
+    drafters whose steps have static shapes."""
+    if isinstance(head, FeatureHead):
+        return FeatureHeadDrafter(
+            head, shape, vocab_shortlist=vocab_shortlist, compile=compile, graphs=graphs
+        )
+    if isinstance(head, MedusaHead):
+        return MedusaDrafter(head, shape, compile=compile)
+    raise ValueError(f"no drafter for a {type(head).__name__}")
+
+
 class DraftModelDrafter(Drafter):
     """Classic speculative sampling (Leviathan et al. 2023; Chen et al. 2023, DeepMind): a small
     causal LM sharing the target's tokenizer drafts a chain with its own KV cache; at T>0 the

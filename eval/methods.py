@@ -39,17 +39,14 @@ from specdraft.eval.drafters import (
     Drafter,
     DraftModelDrafter,
     DynamicTree,
-    FeatureHeadDrafter,
-    MedusaDrafter,
     StaticTree,
     TreeShape,
+    drafter_for_head,
 )
 from specdraft.eval.lookahead import Lookahead, LookaheadDrafter
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.trees import best_static_tree
-from specdraft.heads.eagle import Eagle3Head, FeatureHead
-from specdraft.heads.medusa import MedusaHead
 
 Generate = Callable[[Tensor, Sampling, int], Generation]
 # (prompts, sampling, one seed per prompt) -> one Generation per prompt, decoded together.
@@ -180,21 +177,12 @@ def build_method(
     if kind == "head":
         head = heads(config["checkpoint"])
         use_typical = bool(config.get("typical", False))
-        aux_layer_ids: tuple[int, ...] = ()
-        if isinstance(head, MedusaHead):
-            runner = TargetRunner(target, compile=compile, graphs=graphs)
-            drafter_for: Callable[[TreeShape], Drafter] = lambda shape: MedusaDrafter(  # noqa: E731
-                head, shape, compile=compile
-            )
-        elif isinstance(head, FeatureHead):
-            aux_layer_ids = head.spec.aux_layer_ids if isinstance(head, Eagle3Head) else ()
-            runner = TargetRunner(target, aux_layer_ids, compile=compile, graphs=graphs)
-            words = shortlist() if config.get("shortlist", False) else None
-            drafter_for = lambda shape: FeatureHeadDrafter(  # noqa: E731
-                head, shape, vocab_shortlist=words, compile=compile, graphs=graphs
-            )
-        else:
-            raise ValueError(f"method {name}: unsupported head {type(head).__name__}")
+        aux_layer_ids = head.target_taps
+        runner = TargetRunner(target, aux_layer_ids, compile=compile, graphs=graphs)
+        words = shortlist() if config.get("shortlist", False) else None
+        drafter_for: Callable[[TreeShape], Drafter] = lambda shape: drafter_for_head(  # noqa: E731
+            head, shape, words, compile=compile, graphs=graphs
+        )
         shape_config, details = dict(config["shape"]), {}
         if shape_config.get("kind") == AUTO:
             if choose_shape is None:

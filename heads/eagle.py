@@ -78,6 +78,12 @@ class FeatureHead(nn.Module):
         self.register_buffer("target_lm_head", weights.lm_head, persistent=False)
         self.layer = DraftDecoderLayer(spec, attention_input_size)
 
+    @property
+    def target_taps(self) -> tuple[int, ...]:
+        """The target's aux layer ids (the stream entering decoder layer i) the head reads beside
+        its last hidden state: what a target runner must capture for it."""
+        raise NotImplementedError
+
     def embed(self, token_ids: Tensor) -> Tensor:
         return F.embedding(token_ids, self.target_embedding)
 
@@ -144,6 +150,10 @@ class EagleHead(FeatureHead):
         super().__init__(spec, weights, attention_input_size=spec.hidden_size)
         self.config = config or EagleConfig()
         self.fc = nn.Linear(2 * spec.hidden_size, spec.hidden_size, bias=self.config.fc_bias)
+
+    @property
+    def target_taps(self) -> tuple[int, ...]:
+        return ()  # the last hidden state only
 
     def initial_features(self, hidden: Tensor, aux: Tensor | None = None) -> Tensor:
         return hidden
@@ -216,6 +226,10 @@ class Eagle3Head(FeatureHead):
     @property
     def draft_vocab_size(self) -> int:
         return self.d2t.numel()
+
+    @property
+    def target_taps(self) -> tuple[int, ...]:
+        return tuple(self.spec.aux_layer_ids)
 
     def initial_features(self, hidden: Tensor, aux: Tensor | None) -> Tensor:
         if aux is None:

@@ -73,6 +73,11 @@ class MedusaHead(nn.Module):
     def num_heads(self) -> int:
         return self.config.num_heads
 
+    @property
+    def target_taps(self) -> tuple[int, ...]:
+        """No aux layers: every head reads the target's last hidden state."""
+        return ()
+
     def target_logits(self, hidden: Tensor) -> Tensor:
         """The target's logits ...×V for its own last hidden states ...×H."""
         return F.linear(hidden, self.target_lm_head.to(hidden.dtype))

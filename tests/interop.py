@@ -23,7 +23,7 @@ from specdraft.eval.decode import Generation, speculative_generate
 from specdraft.eval.drafters import Chain, FeatureHeadDrafter
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
-from specdraft.heads.eagle import Eagle3Head, FeatureHead
+from specdraft.heads.eagle import FeatureHead
 
 
 def write_serving_target(target: Target, out_dir: Path) -> Path:
@@ -124,7 +124,7 @@ def specdraft_chain_decode(
     target: Target, head: FeatureHead, prompts: Sequence[list[int]], depth: int, max_new_tokens: int
 ) -> list[Generation]:
     """Greedy chain decoding of every prompt with specdraft's loop (what vLLM's EAGLE proposer does)."""
-    runner = TargetRunner(target, head.spec.aux_layer_ids if isinstance(head, Eagle3Head) else ())
+    runner = TargetRunner(target, head.target_taps)
     greedy = Sampling(temperature=0.0)
     generations = []
     for ids in prompts:
