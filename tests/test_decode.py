@@ -1,10 +1,12 @@
-"""The decode loop's invariants on the tiny fp32 target (docs/architecture.md §6):
+"""The decode loop's invariants on a tiny fp32 target whose greedy output does not repeat
+(conftest.diverse_target; docs/architecture.md §6):
 
 * greedy speculative output == plain greedy output, for untrained, oracle and adversarial
   drafts × chain, static tree, dynamic tree × Medusa, EAGLE, EAGLE-3 (and a draft model);
 * the oracle accepts the whole tree depth at every step, the adversary nothing;
 * sampling through the whole loop reproduces the target's distribution over whole emitted
-  blocks, the bonus token included (chi-square of every prefix), and runs on the target's device;
+  blocks, the bonus token included (chi-square of every prefix), and runs on the target's device
+  (on the default tiny target, whose peaked distributions let whole blocks be accepted);
 * every distribution a feature-head drafter scores candidates with equals the head run from
   scratch on that node's path (greedy equality is blind to bugs that only lower acceptance).
 """
@@ -93,16 +95,16 @@ def reference_filter(reference: list[int], oracle: bool):
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_target):
-    prompt = prompt_ids(tiny_target)
-    generation = plain_generate(TargetRunner(tiny_target), prompt, MAX_NEW, GREEDY, ())
+def plain(diverse_target):
+    prompt = prompt_ids(diverse_target)
+    generation = plain_generate(TargetRunner(diverse_target), prompt, MAX_NEW, GREEDY, ())
     return prompt, generation.tokens
 
 
 @pytest.mark.parametrize("draft", ["untrained", "oracle", "adversarial"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("kind", list(HEADS))
-def test_greedy_speculative_equals_plain(tiny_target, plain, kind, shape, draft):
+def test_greedy_speculative_equals_plain(diverse_target, plain, kind, shape, draft):
     if kind == "medusa" and shape == "dynamic":
         pytest.skip("Medusa candidates do not depend on the drafted prefix: static trees only")
     if kind == "eagle3-reduced" and draft == "oracle":
@@ -110,8 +112,8 @@ def test_greedy_speculative_equals_plain(tiny_target, plain, kind, shape, draft)
     prompt, expected = plain
     reference = prompt.tolist() + expected
     score_filter = None if draft == "untrained" else reference_filter(reference, draft == "oracle")
-    drafter = drafter_for(random_head(tiny_target, kind), kind, SHAPES[shape], score_filter)
-    generation = speculative_generate(runner_for(tiny_target, kind), drafter, prompt, MAX_NEW, GREEDY, ())
+    drafter = drafter_for(random_head(diverse_target, kind), kind, SHAPES[shape], score_filter)
+    generation = speculative_generate(runner_for(diverse_target, kind), drafter, prompt, MAX_NEW, GREEDY, ())
     assert generation.tokens == expected
     accepted = [step.accepted for step in generation.steps]
     if draft == "oracle":
@@ -121,22 +123,22 @@ def test_greedy_speculative_equals_plain(tiny_target, plain, kind, shape, draft)
         assert accepted == [0] * (MAX_NEW - 1)
 
 
-def test_greedy_stops_at_eos_and_equals_plain(tiny_target):
+def test_greedy_stops_at_eos_and_equals_plain(diverse_target):
     """EOS inside an accepted path ends the output right after it, as in plain decoding."""
-    prompt = prompt_ids(tiny_target, seed=3)
-    free = plain_generate(TargetRunner(tiny_target), prompt, MAX_NEW, GREEDY, ()).tokens
+    prompt = prompt_ids(diverse_target, seed=3)
+    free = plain_generate(TargetRunner(diverse_target), prompt, MAX_NEW, GREEDY, ()).tokens
     eos = free[17]  # pretend a mid-sequence token ends the turn
-    expected = plain_generate(TargetRunner(tiny_target), prompt, MAX_NEW, GREEDY, {eos})
+    expected = plain_generate(TargetRunner(diverse_target), prompt, MAX_NEW, GREEDY, {eos})
     assert expected.stop == "eos" and expected.tokens == free[: free.index(eos) + 1]
     reference = prompt.tolist() + free
     drafter = FeatureHeadDrafter(
-        random_head(tiny_target, "eagle"), SHAPES["dynamic"], reference_filter(reference, True)
+        random_head(diverse_target, "eagle"), SHAPES["dynamic"], reference_filter(reference, True)
     )
-    generation = speculative_generate(TargetRunner(tiny_target), drafter, prompt, MAX_NEW, GREEDY, {eos})
+    generation = speculative_generate(TargetRunner(diverse_target), drafter, prompt, MAX_NEW, GREEDY, {eos})
     assert (generation.tokens, generation.stop) == (expected.tokens, "eos")
 
 
-def test_draft_model_and_threshold_chain_equal_plain(tiny_target, plain):
+def test_draft_model_and_threshold_chain_equal_plain(diverse_target, plain):
     """Classic speculative decoding with a (different) small LM, fixed and threshold chains."""
     from specdraft.data.tiny import tiny_random_target
 
@@ -144,18 +146,18 @@ def test_draft_model_and_threshold_chain_equal_plain(tiny_target, plain):
     draft_model = tiny_random_target(seed=5).model
     for shape in (Chain(depth=3), Chain(depth=6, threshold=0.3)):
         drafter = DraftModelDrafter(draft_model, shape)
-        generation = speculative_generate(TargetRunner(tiny_target), drafter, prompt, MAX_NEW, GREEDY, ())
+        generation = speculative_generate(TargetRunner(diverse_target), drafter, prompt, MAX_NEW, GREEDY, ())
         assert generation.tokens == expected
-    threshold = FeatureHeadDrafter(random_head(tiny_target, "eagle"), Chain(depth=6, threshold=0.3))
-    generation = speculative_generate(TargetRunner(tiny_target), threshold, prompt, MAX_NEW, GREEDY, ())
+    threshold = FeatureHeadDrafter(random_head(diverse_target, "eagle"), Chain(depth=6, threshold=0.3))
+    generation = speculative_generate(TargetRunner(diverse_target), threshold, prompt, MAX_NEW, GREEDY, ())
     assert generation.tokens == expected
     assert {step.depth for step in generation.steps} != {6}  # the threshold did cut some chains
 
 
-def test_draft_model_oracle_accepts_the_whole_chain(tiny_target, plain):
+def test_draft_model_oracle_accepts_the_whole_chain(diverse_target, plain):
     prompt, expected = plain
-    drafter = DraftModelDrafter(tiny_target.model, Chain(depth=3))  # the target drafting for itself
-    generation = speculative_generate(TargetRunner(tiny_target), drafter, prompt, MAX_NEW, GREEDY, ())
+    drafter = DraftModelDrafter(diverse_target.model, Chain(depth=3))  # the target drafting for itself
+    generation = speculative_generate(TargetRunner(diverse_target), drafter, prompt, MAX_NEW, GREEDY, ())
     assert generation.tokens == expected
     assert all(step.accepted == 3 for step in generation.steps[:-1])
 
@@ -241,21 +243,21 @@ def test_sampling_reproduces_the_target_distribution(tiny_target, kind, shape):
     assert min(outcomes.values()) > 0.05 * TRIALS, outcomes  # both branches of the rule ran
 
 
-def test_vocab_shortlist_keeps_greedy_output_and_drafts_inside_it(tiny_target, plain):
+def test_vocab_shortlist_keeps_greedy_output_and_drafts_inside_it(diverse_target, plain):
     prompt, expected = plain
     shortlist = torch.arange(3, 150)
-    head = random_head(tiny_target, "eagle")
+    head = random_head(diverse_target, "eagle")
     drafter = FeatureHeadDrafter(head, SHAPES["dynamic"], vocab_shortlist=shortlist)
-    generation = speculative_generate(TargetRunner(tiny_target), drafter, prompt, MAX_NEW, GREEDY, ())
+    generation = speculative_generate(TargetRunner(diverse_target), drafter, prompt, MAX_NEW, GREEDY, ())
     assert generation.tokens == expected
     drafter.reset()
-    runner = TargetRunner(tiny_target)
+    runner = TargetRunner(diverse_target)
     output = runner.prefill(prompt)
     drafter.commit(prompt.tolist(), output, expected[0])
     draft = drafter.draft(expected[0], GREEDY)
     assert draft.tokens[1:].min() >= 3 and draft.tokens[1:].max() < 150
     with pytest.raises(ValueError, match="EAGLE-1/2"):
-        FeatureHeadDrafter(random_head(tiny_target, "eagle3"), SHAPES["chain"], vocab_shortlist=shortlist)
+        FeatureHeadDrafter(random_head(diverse_target, "eagle3"), SHAPES["chain"], vocab_shortlist=shortlist)
 
 
 # -- drafting: every node's draft distribution is the head's, run from scratch on its path --------
@@ -291,7 +293,7 @@ def head_from_scratch(target, head, context: list[int], committed: int) -> torch
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_every_drafted_node_scores_like_the_head_on_its_path(tiny_target, kind, shape):
+def test_every_drafted_node_scores_like_the_head_on_its_path(diverse_target, kind, shape):
     """Greedy equality is blind to drafting bugs that only lower acceptance (a node that sees its
     siblings, a rotary position off by one): compare every distribution the drafter scores
     candidates with — at the root after each commit, and at every expanded tree node — with the
@@ -303,12 +305,14 @@ def test_every_drafted_node_scores_like_the_head_on_its_path(tiny_target, kind, 
         seen.append((list(context), len(holder["drafter"].history), scores.clone()))
         return scores
 
-    head = random_head(tiny_target, kind)
+    head = random_head(diverse_target, kind)
     drafter = holder["drafter"] = drafter_for(head, kind, SHAPES[shape], record)
-    speculative_generate(runner_for(tiny_target, kind), drafter, prompt_ids(tiny_target), 12, GREEDY, ())
+    speculative_generate(
+        runner_for(diverse_target, kind), drafter, prompt_ids(diverse_target), 12, GREEDY, ()
+    )
     assert len({len(context) - committed for context, committed, _ in seen}) > 1  # tree nodes, not only roots
     for context, committed, scores in seen:
-        expected = head_from_scratch(tiny_target, head, context, committed)
+        expected = head_from_scratch(diverse_target, head, context, committed)
         torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-4, msg=f"context {context}")
 
 
