@@ -45,6 +45,8 @@ from specdraft.eval.sampling import Sampling
 
 def check_batch_sizes(batch_sizes: Sequence[int], where: str = "batch_sizes") -> list[int]:
     """``batch_sizes`` as a list of positive ints, or one clear error naming ``where``."""
+    if isinstance(batch_sizes, str) or not isinstance(batch_sizes, Sequence):
+        raise ValueError(f"{where}: expected a non-empty list of positive integers, got {batch_sizes!r}")
     sizes = list(batch_sizes)
     bad = [size for size in sizes if isinstance(size, bool) or not isinstance(size, int) or size < 1]
     if not sizes or bad:
@@ -113,7 +115,7 @@ class BatchRunner:
         and the logits of the LAST one only (1×V: the rest are never read, and at B prompts of a
         few hundred tokens they would cost more than the forward)."""
         rows, width = len(prompts), max(len(prompt) for prompt in prompts)
-        self.cache.batch = rows
+        self.reserve(rows, width)
         self.lengths = [0] * rows
         tokens = torch.zeros(rows, width, dtype=torch.long)
         for b, prompt in enumerate(prompts):

@@ -79,7 +79,9 @@ def _main(cfg: DictConfig, command: str) -> None:
 def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
     batch_sizes = None
     if cfg.get("batch_sizes") is not None:  # checked before anything is loaded
-        batch_sizes = check_batch_sizes(OmegaConf.to_container(cfg.batch_sizes), "batch_sizes")
+        sizes = cfg.batch_sizes
+        sizes = OmegaConf.to_container(sizes) if OmegaConf.is_config(sizes) else sizes
+        batch_sizes = check_batch_sizes(sizes, "batch_sizes")
     start(command, cfg.threads, cfg.target)
     target: Target = instantiate(cfg.target)
     if cfg.packed_weights:

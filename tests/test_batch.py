@@ -214,7 +214,7 @@ def test_sampling_in_a_batch_reproduces_the_target_distribution(tiny_target):
     assert min(outcomes.values()) > 0.05 * rows * trials, outcomes
 
 
-@pytest.mark.parametrize("sizes", [[], [0], [1, -2], [2.5], [True]])
+@pytest.mark.parametrize("sizes", [[], [0], [1, -2], [2.5], [True], 4, "4"])
 def test_malformed_batch_sizes_get_one_clear_error(sizes):
     with pytest.raises(ValueError, match=r"bench\.batch_sizes: expected a non-empty list of positive int"):
         check_batch_sizes(sizes, "bench.batch_sizes")

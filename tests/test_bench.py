@@ -201,6 +201,7 @@ def test_batch_bench_reports_throughput_per_batch_size_and_resumes(tmp_path):
     [
         (["batch_sizes=[0,2]"], r"batch_sizes: expected a non-empty list of positive integers, got \[0, 2\]"),
         (["batch_sizes=[]"], "batch_sizes: expected a non-empty list of positive integers"),
+        (["batch_sizes=4"], "batch_sizes: expected a non-empty list of positive integers, got 4"),
         (["methods=batch", "batch_sizes=[4]"], r"batch_sizes \[4\]: larger than the 3 questions"),
         (["methods=decoder", "batch_sizes=[1]"], "cannot decode batches"),
     ],
