@@ -37,7 +37,7 @@ from specdraft.eval.kernels import compiled_step, pack_linear_weights
 from specdraft.eval.runner import PositionalKVCache, TargetOutput, grow_positions
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.trees import TreeBuffers, tree_buffers, tree_from_ancestors
-from specdraft.heads.eagle import EagleHead, FeatureHead
+from specdraft.heads.eagle import FeatureHead
 from specdraft.heads.medusa import MedusaHead
 
 # (context tokens, how many tokens after the context the candidates are for (0 = the next
@@ -285,15 +285,11 @@ class FeatureHeadDrafter(Drafter):
         else:
             # FR-Spec-style drafting over the most frequent tokens only: the frozen lm_head is
             # the largest matmul of a drafting step, and verification keeps the output exact.
-            if not isinstance(head, EagleHead):
-                raise ValueError(
-                    "vocab_shortlist applies to EAGLE-1/2 heads; EAGLE-3 drafts over its own vocab"
-                )
             ids = vocab_shortlist.long().unique().cpu()
             if ids.numel() == 0 or ids[0] < 0 or ids[-1] >= self.vocab_size:
                 raise ValueError(f"vocab_shortlist: ids must lie in 0..{self.vocab_size - 1}")
             self.to_target = ids.to(self.device)
-            weight = head.target_lm_head[self.to_target].to(self.dtype).contiguous()
+            weight = head.shortlist_weight(self.to_target).to(self.dtype).contiguous()
             self.shortlist = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=self.device)
             self.shortlist.weight = nn.Parameter(weight, requires_grad=False)
             pack_linear_weights(self.shortlist)  # a few rows per step: the packed kernel (eval/kernels.py)

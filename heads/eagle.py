@@ -12,12 +12,13 @@ a feature for t and the token x_{t+1}, and produces the feature the next step re
   own final norm and lm_head over a reduced draft vocabulary (``d2t`` / ``t2d``).
 
 :meth:`FeatureHead.step` is the one computation used for training (full sequences, and the
-multi-step rollout of ``specdraft.train.rollout``) and for drafting (a KV cache as ``past``).
+multi-step rollout of :mod:`specdraft.heads.rollout`) and for drafting (a KV cache as ``past``).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -25,9 +26,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdraft.heads.frozen import TargetWeights
+from specdraft.heads.interface import DraftHead, TrainingBatch, TrainingPredictions, supervised_positions
 from specdraft.heads.layers import AlignedMask, DraftDecoderLayer, RMSNorm
+from specdraft.heads.rollout import rollout
 from specdraft.heads.spec import TargetSpec
-from specdraft.heads.vocab import VocabProjection, full_vocab_maps, target_to_draft_index
+from specdraft.heads.vocab import (
+    VocabProjection,
+    check_vocab_maps,
+    draft_vocab_from_counts,
+    target_to_draft_index,
+)
 
 
 @dataclass(frozen=True)
@@ -48,8 +56,8 @@ class EagleConfig:
 
 @dataclass(frozen=True)
 class Eagle3Config:
-    """EAGLE-3. ``draft_vocab_size``: None = the full target vocabulary (the training default, a
-    reduced one, is set in conf/head/eagle3.yaml)."""
+    """EAGLE-3. ``draft_vocab_size``: None (or the target's vocabulary size or more) = the full
+    target vocabulary (the training default, a reduced one, is set in conf/head/eagle3.yaml)."""
 
     draft_vocab_size: int | None = None
     kind: str = "eagle3"
@@ -62,34 +70,18 @@ class Eagle3Config:
         return asdict(self)
 
 
-class FeatureHead(nn.Module):
+class FeatureHead(DraftHead):
     """What EAGLE-1/2 and EAGLE-3 share: a frozen target embedding, one draft decoder layer, and the
-    step / logits API. Subclasses define the level-1 features, the attention input, and logits."""
-
-    spec: TargetSpec
+    step / logits API. Subclasses define the level-1 features, the attention input, and logits;
+    every feature head drafts with ``specdraft.eval.drafters.FeatureHeadDrafter``."""
 
     def __init__(self, spec: TargetSpec, weights: TargetWeights, attention_input_size: int) -> None:
-        super().__init__()
-        weights.check(spec)
-        self.spec = spec
+        super().__init__(spec, weights)
         self.register_buffer("target_embedding", weights.embedding, persistent=False)
-        # The target's own lm_head: EAGLE-1/2 draft through it; every head's training targets
-        # (the target's next-token distribution) are recomputed through it from the features.
-        self.register_buffer("target_lm_head", weights.lm_head, persistent=False)
         self.layer = DraftDecoderLayer(spec, attention_input_size)
-
-    @property
-    def target_taps(self) -> tuple[int, ...]:
-        """The target's aux layer ids (the stream entering decoder layer i) the head reads beside
-        its last hidden state: what a target runner must capture for it."""
-        raise NotImplementedError
 
     def embed(self, token_ids: Tensor) -> Tensor:
         return F.embedding(token_ids, self.target_embedding)
-
-    def target_logits(self, hidden: Tensor) -> Tensor:
-        """The target's logits ...×V for its own last hidden states ...×H."""
-        return F.linear(hidden, self.target_lm_head.to(hidden.dtype))
 
     def initial_features(self, hidden: Tensor, aux: Tensor | None) -> Tensor:
         """The level-1 features B×T×H the head reads from the target (hidden: last hidden state,
@@ -113,10 +105,23 @@ class FeatureHead(nn.Module):
         """Draft-vocabulary ids -> target ids."""
         raise NotImplementedError
 
-    def vocab_projection(self, outputs: Tensor) -> VocabProjection:
-        """The draft logits of layer outputs S×N×H as the training objective computes them:
-        ``logits(outputs) == projection.inputs @ projection.weight.T``."""
-        raise NotImplementedError
+    def shortlist_weight(self, target_ids: Tensor) -> Tensor:
+        """N×H: the rows of the head's output projection for ``target_ids``, so that drafting over
+        a shortlist of the vocabulary (FR-Spec) projects onto them alone. A head whose logits are
+        not a plain projection of its outputs over the target vocabulary raises ValueError."""
+        raise ValueError(f"a {type(self).__name__} drafts over its own vocabulary: no vocab_shortlist")
+
+    def training_predictions(self, batch: TrainingBatch, steps: int, detach: bool) -> TrainingPredictions:
+        """Roll out ``steps`` aligned steps over the whole batch (:mod:`specdraft.heads.rollout`).
+        Position p is supervised when the token at p+1 is an assistant token: every step at p
+        predicts the target's feature f_{p+1} and its next-token distribution there, so q = p+1;
+        step j needs j−1 positions of target context before p."""
+        inputs = batch.input_hidden if batch.input_hidden is not None else batch.hidden
+        outputs = rollout(self, self.initial_features(inputs, batch.aux), batch.input_ids, steps, detach)
+        b, p = supervised_positions(batch)
+        valid = torch.stack([p >= j - 1 for j in range(1, steps + 1)])
+        predicted = torch.stack([out[b, p] for out in outputs])  # S×N×H
+        return TrainingPredictions(b, p + 1, predicted, valid, predicts_features=True)
 
     def step(
         self,
@@ -146,6 +151,9 @@ class FeatureHead(nn.Module):
 class EagleHead(FeatureHead):
     """EAGLE-1/2: predicts the target's next post-norm feature; logits via the frozen lm_head."""
 
+    kind = "eagle"
+    config_class = EagleConfig
+
     def __init__(self, spec: TargetSpec, weights: TargetWeights, config: EagleConfig | None = None) -> None:
         super().__init__(spec, weights, attention_input_size=spec.hidden_size)
         self.config = config or EagleConfig()
@@ -173,55 +181,71 @@ class EagleHead(FeatureHead):
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         return draft_ids
 
+    def shortlist_weight(self, target_ids: Tensor) -> Tensor:
+        return self.target_lm_head[target_ids]
+
     def vocab_projection(self, outputs: Tensor) -> VocabProjection:
         return VocabProjection(outputs, self.target_lm_head)
 
 
 class Eagle3Head(FeatureHead):
-    """EAGLE-3: fused multi-layer features, 2H attention input, own norm + draft-vocab lm_head."""
+    """EAGLE-3: fused multi-layer features, 2H attention input, own norm + draft-vocab lm_head.
 
-    def __init__(
-        self,
-        spec: TargetSpec,
-        weights: TargetWeights,
-        config: Eagle3Config | None = None,
-        d2t: Tensor | None = None,
-        t2d: Tensor | None = None,
-    ) -> None:
+    Its draft vocabulary (``d2t`` / ``t2d``, persistent buffers) is the target's until
+    :meth:`choose_vocabulary` picks the training split's most frequent assistant tokens, or a
+    trained state is loaded; a reduced one starts as the first V' target tokens."""
+
+    kind = "eagle3"
+    config_class = Eagle3Config
+
+    def __init__(self, spec: TargetSpec, weights: TargetWeights, config: Eagle3Config | None = None) -> None:
         super().__init__(spec, weights, attention_input_size=2 * spec.hidden_size)
-        self.config = config or Eagle3Config()
+        config = config or Eagle3Config()
         if not spec.aux_layer_ids:
             raise ValueError(f"EAGLE-3 needs target aux layers; target {spec.name} has aux_layer_ids=()")
-        hidden = spec.hidden_size
-        if (d2t is None) != (t2d is None):
-            raise ValueError("EAGLE-3: pass both d2t and t2d, or neither (full vocabulary)")
-        if d2t is None:
-            if self.config.draft_vocab_size not in (None, spec.vocab_size):
-                raise ValueError(
-                    f"EAGLE-3 draft_vocab_size={self.config.draft_vocab_size} needs d2t/t2d maps "
-                    "(build them with heads.vocab.draft_vocab_from_counts)"
-                )
-            d2t, t2d = full_vocab_maps(spec.vocab_size)
-        draft_vocab = d2t.numel()
-        if self.config.draft_vocab_size not in (None, draft_vocab) or t2d.numel() != spec.vocab_size:
+        if config.draft_vocab_size is not None and config.draft_vocab_size < 1:
             raise ValueError(
-                f"EAGLE-3: d2t has {draft_vocab} entries and t2d {t2d.numel()}; expected "
-                f"draft_vocab_size={self.config.draft_vocab_size} and target vocab {spec.vocab_size}"
+                f"EAGLE-3 draft_vocab_size must be >= 1 (or null), got {config.draft_vocab_size}"
             )
-        if int(t2d.sum()) != draft_vocab:
-            raise ValueError(f"EAGLE-3: t2d marks {int(t2d.sum())} tokens but d2t has {draft_vocab}")
+        if config.draft_vocab_size is not None and config.draft_vocab_size >= spec.vocab_size:
+            config = replace(config, draft_vocab_size=None)  # no smaller than the target's: all of it
+        self.config = config
+        hidden, draft_vocab = spec.hidden_size, config.draft_vocab_size or spec.vocab_size
         self.fc = nn.Linear(len(spec.aux_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, spec.rms_norm_eps)
         self.input_layernorm = RMSNorm(hidden, spec.rms_norm_eps)
         self.norm = RMSNorm(hidden, spec.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
-        self.register_buffer("d2t", d2t.long())
-        self.register_buffer("t2d", t2d.bool())
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        self.register_buffer("t2d", torch.arange(spec.vocab_size) < draft_vocab)
         self.register_buffer("target_to_draft", target_to_draft_index(self.t2d), persistent=False)
         # Warm start from the target: its final norm and the lm_head rows of the draft vocabulary.
-        draft_to_target = torch.arange(draft_vocab, device=self.d2t.device) + self.d2t
-        self.lm_head.weight.data.copy_(weights.lm_head[draft_to_target.to(weights.lm_head.device)].float())
         self.norm.weight.data.copy_(weights.final_norm.float())
+        self._warm_start_lm_head()
+        self.register_load_state_dict_post_hook(Eagle3Head._vocabulary_loaded)
+
+    def choose_vocabulary(self, token_counts: Callable[[], Tensor]) -> None:
+        """A reduced draft vocabulary: the ``draft_vocab_size`` most frequent assistant tokens."""
+        if self.config.draft_vocab_size is not None:
+            self.set_draft_vocab(*draft_vocab_from_counts(token_counts(), self.config.draft_vocab_size))
+
+    def set_draft_vocab(self, d2t: Tensor, t2d: Tensor) -> None:
+        """Draft over the tokens of ``d2t`` (V' offsets) / ``t2d`` (V mask), warm-starting the
+        lm_head rows from the target's."""
+        check_vocab_maps(d2t, t2d, self.draft_vocab_size, self.spec.vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        self.target_to_draft = target_to_draft_index(self.t2d)
+        self._warm_start_lm_head()
+
+    def _warm_start_lm_head(self) -> None:
+        vocab = self.draft_to_target(torch.arange(self.draft_vocab_size, device=self.d2t.device))
+        self.lm_head.weight.data.copy_(self.target_lm_head[vocab.to(self.target_lm_head.device)].float())
+
+    def _vocabulary_loaded(self, incompatible_keys: Any) -> None:
+        # A loaded d2t / t2d replaces the placeholder: check it and re-derive the inverse map.
+        check_vocab_maps(self.d2t, self.t2d, self.draft_vocab_size, self.spec.vocab_size)
+        self.target_to_draft = target_to_draft_index(self.t2d)
 
     @property
     def draft_vocab_size(self) -> int:

@@ -65,7 +65,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class AlignedMask:
-    """The attention pattern of multi-step rollout step ``levels`` (``specdraft.train.rollout``),
+    """The attention pattern of multi-step rollout step ``levels`` (:mod:`specdraft.heads.rollout`),
     given by its structure rather than as a dense T×(levels·T) tensor. Keys are laid out
     level-major ([l·T, (l+1)·T) holds level l+1) and query p attends
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdraft.heads.frozen import TargetWeights
+from specdraft.heads.interface import DraftHead, TrainingBatch, TrainingPredictions, supervised_positions
 from specdraft.heads.spec import TargetSpec
 from specdraft.heads.vocab import VocabProjection
 
@@ -48,13 +49,16 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
-class MedusaHead(nn.Module):
-    """``forward(hidden ...×H) -> logits K×...×V``; head k predicts the token k+2 positions ahead."""
+class MedusaHead(DraftHead):
+    """``forward(hidden ...×H) -> logits K×...×V``; head k predicts the token k+2 positions ahead.
+    Drafts with ``specdraft.eval.drafters.MedusaDrafter``."""
+
+    kind = "medusa"
+    config_class = MedusaConfig
 
     def __init__(self, spec: TargetSpec, weights: TargetWeights, config: MedusaConfig | None = None) -> None:
-        super().__init__()
-        weights.check(spec)
-        self.spec, self.config = spec, config or MedusaConfig()
+        super().__init__(spec, weights)
+        self.config = config or MedusaConfig()
         # One ModuleList per head, a fresh ResBlock per layer: Medusa's reference code builds
         # ``[ResBlock(H)] * L``, which shares ONE block L times.
         self.blocks = nn.ModuleList(
@@ -67,20 +71,19 @@ class MedusaHead(nn.Module):
             )
             for lm_head in self.lm_heads:
                 lm_head.weight.data.copy_(weights.lm_head.float())
-        self.register_buffer("target_lm_head", weights.lm_head, persistent=False)
 
     @property
     def num_heads(self) -> int:
         return self.config.num_heads
 
     @property
+    def parallel_steps(self) -> int:
+        return self.num_heads
+
+    @property
     def target_taps(self) -> tuple[int, ...]:
         """No aux layers: every head reads the target's last hidden state."""
         return ()
-
-    def target_logits(self, hidden: Tensor) -> Tensor:
-        """The target's logits ...×V for its own last hidden states ...×H."""
-        return F.linear(hidden, self.target_lm_head.to(hidden.dtype))
 
     def head_logits(self, hidden: Tensor, k: int) -> Tensor:
         """Logits ...×V of head k for last hidden states ...×H."""
@@ -97,6 +100,16 @@ class MedusaHead(nn.Module):
         if self.config.own_lm_head:
             return VocabProjection(features, torch.stack([lm_head.weight for lm_head in self.lm_heads]))
         return VocabProjection(features, self.target_lm_head)
+
+    def training_predictions(self, batch: TrainingBatch, steps: int, detach: bool) -> TrainingPredictions:
+        """Head k reading position q−1−k predicts x_{q+1}, whose target distribution is the
+        target's at q: indexed by q, the heads share that distribution (computed once per chunk)
+        and its label. q is supervised when x_{q+1} is an assistant token; head k needs a position
+        q−1−k ≥ 0 to read. ``steps`` and ``detach`` do not apply: the K heads are independent."""
+        b, q = supervised_positions(batch)
+        ahead = torch.arange(1, self.num_heads + 1, device=q.device).unsqueeze(-1)  # K×1: 1 + k
+        hidden = batch.hidden[b, (q - ahead).clamp(min=0)]  # K×N×H
+        return TrainingPredictions(b, q, hidden, q >= ahead, predicts_features=False)
 
     def forward(self, hidden: Tensor) -> Tensor:
         """hidden ...×H (post-norm last hidden states) -> logits K×...×V."""

@@ -66,7 +66,24 @@ def full_vocab_maps(vocab_size: int) -> tuple[Tensor, Tensor]:
 
 
 def target_to_draft_index(t2d: Tensor) -> Tensor:
-    """V int64: the draft id of each target id, −1 for tokens outside the draft vocabulary."""
-    index = torch.full(t2d.shape, -1, dtype=torch.long, device=t2d.device)
-    index[t2d] = torch.arange(int(t2d.sum()), device=t2d.device)
-    return index
+    """V int64: the draft id of each target id, −1 for tokens outside the draft vocabulary.
+    (Shape ops only: it also runs on the meta device, where export checks build heads.)"""
+    return torch.where(t2d, t2d.long().cumsum(0) - 1, -1)
+
+
+def check_vocab_maps(d2t: Tensor, t2d: Tensor, draft_vocab_size: int, vocab_size: int) -> None:
+    """Refuse maps that are not a draft vocabulary of ``draft_vocab_size`` tokens out of
+    ``vocab_size``: the wrong lengths, t2d marking another number of tokens, or d2t mapping a
+    draft id to a target token t2d does not mark."""
+    if d2t.shape != (draft_vocab_size,) or t2d.shape != (vocab_size,):
+        raise ValueError(
+            f"draft vocabulary maps: d2t has shape {tuple(d2t.shape)} and t2d {tuple(t2d.shape)}; "
+            f"expected ({draft_vocab_size},) and ({vocab_size},)"
+        )
+    if int(t2d.sum()) != draft_vocab_size:
+        raise ValueError(
+            f"draft vocabulary maps: t2d marks {int(t2d.sum())} tokens but d2t has {draft_vocab_size}"
+        )
+    ids = torch.arange(draft_vocab_size, device=d2t.device) + d2t
+    if bool((ids < 0).any() | (ids >= vocab_size).any()) or not bool(t2d[ids.clamp(0, vocab_size - 1)].all()):
+        raise ValueError("draft vocabulary maps: d2t maps draft ids to target tokens t2d does not mark")

@@ -31,8 +31,7 @@ from hydra.utils import instantiate
 from specdraft.data.hardware import detect_hardware, start
 from specdraft.train.cli import build_training_head
 from specdraft.train.losses import LossWeights
-from specdraft.train.objective import DraftObjective
-from specdraft.train.rollout import RolloutConfig
+from specdraft.train.objective import DraftObjective, RolloutConfig
 
 VARIANTS = {
     "eagle": ["experiment=eagle"],

@@ -35,7 +35,6 @@ from specdraft.eval.sampling import Sampling
 from specdraft.eval.trees import best_static_tree
 from specdraft.heads.layers import causal_mask
 from specdraft.heads.registry import build_head
-from specdraft.heads.vocab import draft_vocab_from_counts
 
 MAX_NEW = 40
 GREEDY = Sampling()
@@ -54,11 +53,9 @@ HEADS = {
 
 def random_head(target, kind: str):
     torch.manual_seed(1)
-    maps = ()
-    if kind == "eagle3-reduced":  # a draft vocabulary of the 200 lowest ids: tests d2t on the way
-        counts = torch.zeros(target.spec.vocab_size).index_fill_(0, torch.arange(200), 1.0)
-        maps = draft_vocab_from_counts(counts, 200)
-    head = build_head(kind.removesuffix("-reduced"), HEADS[kind], target.spec, target_weights(target), *maps)
+    head = build_head(kind.removesuffix("-reduced"), HEADS[kind], target.spec, target_weights(target))
+    # eagle3-reduced: a draft vocabulary of the 200 lowest ids, which tests d2t on the way.
+    head.choose_vocabulary(lambda: torch.zeros(target.spec.vocab_size).index_fill_(0, torch.arange(200), 1.0))
     with torch.no_grad():  # untrained, but not the near-identity of a fresh init
         for parameter in head.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.05)

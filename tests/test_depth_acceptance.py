@@ -10,9 +10,8 @@ import torch
 from specdraft.data.features import FeatureBatch
 from specdraft.data.target import target_weights
 from specdraft.heads import Eagle3Config, Eagle3Head, EagleHead
-from specdraft.heads.vocab import draft_vocab_from_counts
+from specdraft.heads.rollout import rollout
 from specdraft.train.depth_acceptance import batch_counts, chain_counts, summarise
-from specdraft.train.rollout import RolloutConfig, rollout
 from tests.test_rollout import decode_steps
 
 
@@ -92,8 +91,8 @@ def test_batch_counts_equal_a_chain_decoded_per_anchor(tiny_target, kind):
         if kind == "eagle_shortlist":  # a reduced training vocabulary: every third target id
             vocab = torch.arange(0, vocab_size, 3)
     else:
-        d2t, t2d = draft_vocab_from_counts(torch.arange(vocab_size).flip(0), vocab_size // 2)
-        head = Eagle3Head(tiny_target.spec, weights, Eagle3Config(draft_vocab_size=vocab_size // 2), d2t, t2d)
+        head = Eagle3Head(tiny_target.spec, weights, Eagle3Config(draft_vocab_size=vocab_size // 2))
+        head.choose_vocabulary(lambda: torch.arange(vocab_size).flip(0))
     head = head.double().eval()
     generator = torch.Generator().manual_seed(1)
     hidden = torch.randn(1, length, tiny_target.spec.hidden_size, generator=generator, dtype=torch.float64)
@@ -111,7 +110,7 @@ def test_batch_counts_equal_a_chain_decoded_per_anchor(tiny_target, kind):
     wanted = torch.zeros(length, dtype=torch.long)
     for p in range(length - 2):
         features = head.initial_features(hidden, aux)
-        outputs = rollout(head, features, input_ids, RolloutConfig(steps=depth))
+        outputs = rollout(head, features, input_ids, depth, detach=True)
         token = _draft_ids(head, outputs[p % depth][0, p], vocab)
         if p == 4:
             token = torch.randint(3, vocab_size, (), generator=generator)

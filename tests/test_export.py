@@ -29,7 +29,6 @@ from specdraft.heads.formats import (
     write_export,
 )
 from specdraft.heads.registry import build_head
-from specdraft.heads.vocab import draft_vocab_from_counts
 from specdraft.train.export import export
 
 LAYOUTS = sorted((Path(__file__).parent / "layouts").glob("*.json"))
@@ -50,11 +49,10 @@ def target():
 
 def trained_record(target, kind: str, config: dict, seed: int = 0) -> HeadRecord:
     """A head whose every weight is random (a zero-initialised weight would hide a dropped key)."""
-    d2t = t2d = None
-    if kind == "eagle3" and config.get("draft_vocab_size"):
-        counts = torch.rand(target.spec.vocab_size, generator=torch.Generator().manual_seed(seed))
-        d2t, t2d = draft_vocab_from_counts(counts, config["draft_vocab_size"])
-    head = build_head(kind, config, target.spec, target_weights(target), d2t, t2d)
+    head = build_head(kind, config, target.spec, target_weights(target))
+    head.choose_vocabulary(
+        lambda: torch.rand(target.spec.vocab_size, generator=torch.Generator().manual_seed(seed))
+    )
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in head.parameters():

@@ -67,8 +67,7 @@ def test_eagle_parameter_count(spec, weights):
     assert trainable(EagleHead(spec, weights, EagleConfig(fc_bias=True))) == 2 * H * H + H + layer
     # EAGLE-3: attention reads 2H; fc fuses k aux layers; 3 norms; a draft-vocab lm_head.
     k = len(spec.aux_layer_ids)
-    d2t, t2d = draft_vocab_from_counts(torch.arange(spec.vocab_size).float(), 100)
-    e3 = Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=100), d2t, t2d)
+    e3 = Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=100))
     layer3 = 2 * H * heads * d + 2 * 2 * H * kv * d + heads * d * H + 3 * H * inter + H
     assert trainable(e3) == k * H * H + layer3 + 3 * H + 100 * H
 
@@ -80,7 +79,7 @@ def test_frozen_target_weights_stay_out_of_state_and_gradients(spec, weights, ki
         "eagle": lambda: EagleHead(spec, weights),
         "eagle3": lambda: Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=None)),
     }[kind]()
-    state = head.state_dict()
+    state = {k: v.clone() for k, v in head.state_dict().items()}
     assert not any(name.startswith("target_") for name in state), sorted(state)
     assert all(p.requires_grad for p in head.parameters())
     for name, buffer in head.named_buffers():
@@ -112,7 +111,8 @@ def test_eagle3_warm_start_and_vocab_maps(spec, weights):
     assert d2t.tolist() == [3, 6, 198]
     assert t2d.nonzero().squeeze(-1).tolist() == [3, 7, 200]
     assert target_to_draft_index(t2d)[[3, 7, 200, 4]].tolist() == [0, 1, 2, -1]
-    head = Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=3), d2t, t2d)
+    head = Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=3))
+    head.set_draft_vocab(d2t, t2d)
     assert torch.equal(head.lm_head.weight, weights.lm_head[[3, 7, 200]])
     assert head.draft_to_target(torch.tensor([0, 2])).tolist() == [3, 200]
     assert {"d2t", "t2d"} <= set(head.state_dict())
@@ -120,10 +120,21 @@ def test_eagle3_warm_start_and_vocab_maps(spec, weights):
 
 def test_eagle3_rejects_inconsistent_vocab(spec, weights):
     d2t, t2d = draft_vocab_from_counts(torch.ones(spec.vocab_size), 10)
-    with pytest.raises(ValueError, match="draft_vocab_size=20"):
-        Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=20), d2t, t2d)
-    with pytest.raises(ValueError, match="needs d2t/t2d"):
-        Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=10))
+    head = Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=20))
+    with pytest.raises(ValueError, match=r"expected \(20,\)"):
+        head.set_draft_vocab(d2t, t2d)
+    state = {k: v.clone() for k, v in head.state_dict().items()}
+    with pytest.raises(ValueError, match="t2d marks 19 tokens"):  # a loaded state is checked too
+        head.load_state_dict({**state, "t2d": state["t2d"].clone().index_fill_(0, torch.tensor([0]), False)})
+    with pytest.raises(ValueError, match="does not mark"):
+        head.set_draft_vocab(torch.full((20,), 5), state["t2d"])
+    with pytest.raises(ValueError, match="draft_vocab_size must be >= 1"):
+        Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=0))
+    # No smaller than the target's vocabulary: the full vocabulary, as the config records it.
+    assert (
+        Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=spec.vocab_size + 5)).config.draft_vocab_size
+        is None
+    )
     with pytest.raises(ValueError, match="draft_vocab_size must be"):
         draft_vocab_from_counts(torch.ones(5), 6)
 
@@ -143,9 +154,9 @@ def test_head_rebuilds_from_its_state(spec, weights, kind):
     config = {"medusa": {"num_heads": 2}, "eagle": {"fc_bias": True}, "eagle3": {"draft_vocab_size": 50}}[
         kind
     ]
-    d2t, t2d = draft_vocab_from_counts(torch.rand(spec.vocab_size), 50) if kind == "eagle3" else (None, None)
     torch.manual_seed(0)
-    head = build_head(kind, config, spec, weights, d2t, t2d)
+    head = build_head(kind, config, spec, weights)
+    head.choose_vocabulary(lambda: torch.rand(spec.vocab_size))
     for p in head.parameters():
         p.data.normal_()
     state = {k: v.clone() for k, v in head.state_dict().items()}

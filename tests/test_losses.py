@@ -10,7 +10,6 @@ import torch
 from specdraft.data.features import TokenBatch, extract_features
 from specdraft.data.target import target_weights
 from specdraft.heads import Eagle3Config, Eagle3Head, EagleHead, MedusaConfig, MedusaHead
-from specdraft.heads.vocab import draft_vocab_from_counts
 from specdraft.train.losses import (
     LossWeights,
     cross_entropy,
@@ -20,8 +19,7 @@ from specdraft.train.losses import (
     step_loss,
     topk_distillation,
 )
-from specdraft.train.objective import DraftObjective, simulated_tau
-from specdraft.train.rollout import RolloutConfig
+from specdraft.train.objective import DraftObjective, RolloutConfig, simulated_tau
 
 LN2 = math.log(2.0)
 
@@ -86,8 +84,9 @@ def build(kind, target):
     if kind == "eagle":
         return EagleHead(spec, weights)
     counts = torch.arange(spec.vocab_size).float()
-    d2t, t2d = draft_vocab_from_counts(counts, 200)
-    return Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=200), d2t, t2d)
+    head = Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=200))
+    head.choose_vocabulary(lambda: counts)
+    return head
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])

@@ -20,10 +20,8 @@ from specdraft.data.features import TokenBatch, extract_features
 from specdraft.data.target import target_weights
 from specdraft.data.tiny import tiny_random_target
 from specdraft.heads import Eagle3Config, Eagle3Head, EagleHead, MedusaConfig, MedusaHead
-from specdraft.heads.vocab import draft_vocab_from_counts
 from specdraft.train.losses import LossWeights
-from specdraft.train.objective import DraftObjective
-from specdraft.train.rollout import RolloutConfig
+from specdraft.train.objective import DraftObjective, RolloutConfig
 
 GOLDEN = Path(__file__).parent / "golden" / "objective.safetensors"
 TOP_K = 4
@@ -77,8 +75,8 @@ def build_head(kind: str, target):
         head = EagleHead(spec, weights)
     else:
         counts = torch.arange(spec.vocab_size, 0, -1).double()
-        d2t, t2d = draft_vocab_from_counts(counts, REDUCED_VOCAB)
-        head = Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=REDUCED_VOCAB), d2t, t2d)
+        head = Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=REDUCED_VOCAB))
+        head.choose_vocabulary(lambda: counts)
     for parameter in head.parameters():  # away from the zero init of Medusa's blocks
         parameter.data.add_(0.05 * torch.randn_like(parameter))
     return head.double()

@@ -17,11 +17,11 @@ from torch import Tensor
 from specdraft.data.features import FeatureBatch, TokenBatch, extract_features
 from specdraft.data.target import target_weights
 from specdraft.heads import EagleHead, MedusaConfig, MedusaHead
+from specdraft.heads.interface import shift_left
 from specdraft.heads.vocab import VocabProjection
 from specdraft.train.cli import train
 from specdraft.train.losses import LossWeights
-from specdraft.train.objective import DraftObjective
-from specdraft.train.rollout import RolloutConfig, shift_left
+from specdraft.train.objective import DraftObjective, RolloutConfig
 
 STEPS = 3
 

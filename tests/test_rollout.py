@@ -11,7 +11,8 @@ from specdraft.data.features import TokenBatch, extract_features
 from specdraft.data.target import target_weights
 from specdraft.heads import Eagle3Config, Eagle3Head, EagleHead
 from specdraft.heads.layers import AlignedMask, aligned_attention, causal_mask
-from specdraft.train.rollout import RolloutConfig, rollout
+from specdraft.heads.rollout import rollout
+from specdraft.train.objective import RolloutConfig
 
 NEG = float("-inf")
 
@@ -76,7 +77,7 @@ def test_training_step_j_is_decode_step_j(tiny_target, kind, detach):
         head = Eagle3Head(tiny_target.spec, weights, Eagle3Config(draft_vocab_size=None))
     head = head.double()
     features = head.initial_features(batch.hidden.double(), batch.aux.double())
-    outputs = rollout(head, features, batch.input_ids, RolloutConfig(steps=steps, detach=detach))
+    outputs = rollout(head, features, batch.input_ids, steps, detach)
     for t in (steps - 1, 5, 7):  # the last draft step still has a true next token
         drafted = decode_steps(head, features, batch.input_ids, t, steps)
         for j in range(1, steps + 1):
@@ -91,12 +92,12 @@ def test_detach_cuts_the_gradient_between_steps(tiny_target):
     batch = tiny_features(tiny_target)
     head = EagleHead(tiny_target.spec, target_weights(tiny_target))
     for detach, connected in ((True, False), (False, True)):
-        outputs = rollout(head, batch.hidden, batch.input_ids, RolloutConfig(steps=2, detach=detach))
+        outputs = rollout(head, batch.hidden, batch.input_ids, 2, detach)
         (grad,) = torch.autograd.grad(outputs[1].sum(), outputs[0], allow_unused=True)
         assert (grad is not None and grad.abs().sum() > 0) == connected
     # Detaching changes gradients, never values.
-    a = rollout(head, batch.hidden, batch.input_ids, RolloutConfig(steps=3, detach=True))
-    b = rollout(head, batch.hidden, batch.input_ids, RolloutConfig(steps=3, detach=False))
+    a = rollout(head, batch.hidden, batch.input_ids, 3, detach=True)
+    b = rollout(head, batch.hidden, batch.input_ids, 3, detach=False)
     for x, y in zip(a, b, strict=True):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
 

@@ -23,8 +23,7 @@ from specdraft.heads import EagleHead
 from specdraft.train.cli import train
 from specdraft.train.losses import LossWeights
 from specdraft.train.module import DraftHeadModule
-from specdraft.train.objective import DraftObjective
-from specdraft.train.rollout import RolloutConfig
+from specdraft.train.objective import DraftObjective, RolloutConfig
 from specdraft.train.run_dir import RunDirError
 
 EXPERIMENTS = ["medusa", "eagle", "eagle3", "hass", "hass_eagle3"]

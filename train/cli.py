@@ -30,15 +30,15 @@ from specdraft.data.datamodule import FeatureDataModule
 from specdraft.data.errors import user_errors
 from specdraft.data.hardware import start
 from specdraft.data.target import Target, target_weights
-from specdraft.heads.registry import build_head
+from specdraft.heads.interface import DraftHead
+from specdraft.heads.registry import build_head, config_record
 from specdraft.heads.vocab import draft_vocab_from_counts
 from specdraft.train.callbacks import ThroughputMonitor, peak_memory_bytes
 from specdraft.train.fused import DEFAULT_CHUNK_SIZE
 from specdraft.train.loggers import finish_loggers
 from specdraft.train.losses import LossWeights
 from specdraft.train.module import DraftHeadModule
-from specdraft.train.objective import DraftObjective
-from specdraft.train.rollout import RolloutConfig
+from specdraft.train.objective import DraftObjective, RolloutConfig
 from specdraft.train.run_dir import prepare_run_dir
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     sources = {"conversations": instantiate(cfg.data.source)} if cfg.datamodule.mode == "online" else {}
     datamodule: FeatureDataModule = instantiate(cfg.datamodule)(target=target, **sources)
     head, record = build_training_head(cfg.head, target, datamodule)
+    check_features_for_head(head, datamodule)
     objective = build_objective(cfg.loss, target, datamodule)
     module = DraftHeadModule(
         head,
@@ -105,20 +106,26 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 
 def build_training_head(head_cfg: DictConfig, target: Target, datamodule: FeatureDataModule):
-    """A fresh head for ``target`` and the record a checkpoint keeps to rebuild it. EAGLE-3's draft
-    vocabulary is chosen from the training split's assistant tokens (the full vocabulary when
-    the requested size is null or not smaller than the target's)."""
+    """A fresh head for ``target`` and the record a checkpoint keeps to rebuild it. A head that
+    drafts over a vocabulary of its own (EAGLE-3's reduced one) chooses it from the training
+    split's assistant tokens."""
     config = OmegaConf.to_container(head_cfg.config, resolve=True)
-    d2t = t2d = None
-    if head_cfg.kind == "eagle3":
-        size = config.get("draft_vocab_size")
-        if size is None or size >= target.spec.vocab_size:
-            config["draft_vocab_size"] = None
-        else:
-            d2t, t2d = draft_vocab_from_counts(datamodule.assistant_token_counts(), size)
-    head = build_head(head_cfg.kind, config, target.spec, target_weights(target), d2t, t2d)
-    record = {"kind": head_cfg.kind, "config": config, "target_spec": target.spec.to_dict()}
+    head = build_head(head_cfg.kind, config, target.spec, target_weights(target))
+    head.choose_vocabulary(datamodule.assistant_token_counts)
+    record = {"kind": head.kind, "config": config_record(head), "target_spec": target.spec.to_dict()}
     return head, record
+
+
+def check_features_for_head(head: DraftHead, datamodule: FeatureDataModule) -> None:
+    """Refuse, before training starts, features that lack the target layers the head reads (one
+    clear error instead of one raised from inside the first training step)."""
+    taps, delivered = tuple(head.target_taps), tuple(datamodule.fields.aux_layer_ids)
+    if taps and taps != delivered:
+        raise ValueError(
+            f"head {head.kind} reads the target's layers {list(taps)} beside its last hidden state, "
+            f"but the features carry {list(delivered)}: set datamodule.aux_layers=true (a feature "
+            "cache must store them too: specdraft-cache aux_layers=true)"
+        )
 
 
 def features_for_objective(cfg: DictConfig) -> None:

@@ -7,7 +7,7 @@ For every held-out chain start (anchor) a, a greedy chain of ``depth`` drafts is
 the held-out continuation, two ways:
 
 * **own features**, as at decode time: draft step j runs at position a+j−1 and reads the head's
-  step-(j−1) outputs there (the aligned rollout of :func:`specdraft.train.rollout.rollout`,
+  step-(j−1) outputs there (the aligned rollout of :func:`specdraft.heads.rollout.rollout`,
   which the tests hold equal to the decoder's draft steps);
 * **target features**, as plain EAGLE training assumes: step j reads the target's features up
   to a+j−1, i.e. it is step 1 at that position.
@@ -46,9 +46,10 @@ from specdraft.data.hardware import start
 from specdraft.eval.bench import machine_info
 from specdraft.eval.load import load_head
 from specdraft.heads import FeatureHead
+from specdraft.heads.interface import shift_left
+from specdraft.heads.rollout import rollout
 from specdraft.train.cli import build_objective, features_for_objective
 from specdraft.train.objective import simulated_tau
-from specdraft.train.rollout import RolloutConfig, rollout, shift_left
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ def batch_counts(
     """(own features, target features) chain counts of one batch, depths 1..``depth``."""
     inputs = batch.input_hidden if batch.input_hidden is not None else batch.hidden
     features = head.initial_features(inputs, batch.aux)
-    outputs = rollout(head, features, batch.input_ids, RolloutConfig(steps=depth))
+    outputs = rollout(head, features, batch.input_ids, depth, detach=True)
 
     valid = (shift_left(batch.loss_mask) * shift_left(batch.attention_mask)).bool()  # B×T
     b, p = valid.nonzero(as_tuple=True)

@@ -20,11 +20,31 @@ import torch
 from torch import Tensor
 
 from specdraft.data.features import FeatureBatch
-from specdraft.heads import FeatureHead, MedusaHead
+from specdraft.heads.interface import DraftHead, shift_left
 from specdraft.heads.vocab import VocabProjection
 from specdraft.train.fused import DEFAULT_CHUNK_SIZE, TERMS, fused_vocab_losses, target_topk
 from specdraft.train.losses import LossWeights, feature_regression
-from specdraft.train.rollout import RolloutConfig, rollout, shift_left
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """steps: n draft steps per batch (1 = plain EAGLE training); step_weight_base: β, step j's
+    loss is weighted β^(j−1); detach: cut the gradient through the features earlier steps feed
+    to later ones (HASS: true, EAGLE-3 TTT: false)."""
+
+    steps: int = 1
+    step_weight_base: float = 1.0
+    detach: bool = True
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"rollout steps must be >= 1, got {self.steps}")
+        if self.step_weight_base <= 0:
+            raise ValueError(f"rollout step_weight_base must be > 0, got {self.step_weight_base}")
+
+    def step_weight(self, step: int) -> float:
+        """Loss weight of 1-based step ``step``."""
+        return self.step_weight_base ** (step - 1)
 
 
 @dataclass
@@ -58,7 +78,8 @@ class DraftObjective:
     weights: loss-term weights; rollout: steps / step weights / detach for training;
     eval_steps: steps evaluated (for acc_j and simulated τ) when ``train=False``, at least
     ``rollout.steps`` (steps beyond the trained ones are measured, not added to the loss);
-    Medusa always evaluates all its heads. chunk_size: positions per vocabulary chunk.
+    a head with parallel steps (Medusa's heads) always evaluates all of them.
+    chunk_size: positions per vocabulary chunk.
     draft_vocab: target ids of a reduced TRAINING vocabulary for heads that draft over the whole
     target vocabulary (EAGLE-1/2, Medusa): the vocabulary-sized terms and acc_j are computed over
     it (the target's distribution renormalised over it, positions whose target argmax lies
@@ -81,14 +102,30 @@ class DraftObjective:
         self.draft_vocab = draft_vocab
         self.active = [name for name in TERMS if getattr(weights, name) > 0]
 
-    def __call__(self, head: torch.nn.Module, batch: FeatureBatch, train: bool = True) -> ObjectiveOutput:
-        if isinstance(head, MedusaHead):
-            return self._medusa(head, batch)
-        if isinstance(head, FeatureHead):
-            return self._feature_head(head, batch, self.rollout.steps if train else self.eval_steps)
-        raise TypeError(f"no objective for head type {type(head).__name__}")
+    def __call__(self, head: DraftHead, batch: FeatureBatch, train: bool = True) -> ObjectiveOutput:
+        """The loss and per-step accuracies of ``head`` on ``batch``. An autoregressive head rolls
+        out ``rollout.steps`` steps when training and ``eval_steps`` otherwise (the steps beyond
+        the trained ones weigh 0); a head with parallel steps trains all of them."""
+        trained = head.parallel_steps or self.rollout.steps
+        steps = head.parallel_steps or (self.rollout.steps if train else self.eval_steps)
+        predictions = head.training_predictions(batch, steps, self.rollout.detach)
+        b, q = predictions.batch_index, predictions.positions
+        outputs, valid = predictions.outputs, predictions.valid
+        step_weights = [self.rollout.step_weight(j) if j <= trained else 0.0 for j in range(1, steps + 1)]
+        labels = None
+        if self.weights.ce > 0:  # x_{q+1}, −1 where it is padding
+            labels = shift_left(batch.input_ids)[b, q]
+            labels = labels.masked_fill(~shift_left(batch.attention_mask)[b, q].bool(), -1)
+        fused = self._fused(head, head.vocab_projection(outputs), batch, b, q, valid, step_weights, labels)
+        features_loss: list[Tensor | None] = [None] * steps
+        if predictions.predicts_features and self.weights.feature > 0:
+            target_hidden = batch.hidden[b, q]
+            features_loss = [
+                feature_regression(outputs[j][valid[j]], target_hidden[valid[j]]) for j in range(steps)
+            ]
+        return self._output(fused, features_loss, step_weights)
 
-    def _target_topk(self, batch: FeatureBatch, b: Tensor, p: Tensor, head, target_hidden: Tensor):
+    def _target_topk(self, batch: FeatureBatch, b: Tensor, p: Tensor, head: DraftHead, target_hidden: Tensor):
         """The target's top-K (ids, probs) N×K at positions (b, p): cached, else recomputed."""
         k = self.weights.topk_k
         if self.weights.topk <= 0:
@@ -104,7 +141,7 @@ class DraftObjective:
 
     def _fused(
         self,
-        head: torch.nn.Module,
+        head: DraftHead,
         projection: VocabProjection,
         batch: FeatureBatch,
         b: Tensor,
@@ -170,50 +207,3 @@ class DraftObjective:
                     output.loss = output.loss + step_weights[j - 1] * self.weights.feature * feature
             output.terms[f"step{j}/loss"] = torch.tensor(step_loss)
         return output
-
-    def _feature_head(self, head: FeatureHead, batch: FeatureBatch, steps: int) -> ObjectiveOutput:
-        weights = self.weights
-        inputs = batch.input_hidden if batch.input_hidden is not None else batch.hidden
-        features = head.initial_features(inputs, batch.aux)
-        config = RolloutConfig(steps, self.rollout.step_weight_base, self.rollout.detach)
-        outputs = rollout(head, features, batch.input_ids, config)
-
-        # Position p is supervised when the token at p+1 is an assistant token: its target
-        # feature f_{p+1} and next-token distribution p_{p+1} are what every step predicts.
-        supervised = (shift_left(batch.loss_mask) * shift_left(batch.attention_mask)).bool()
-        b, p = supervised.nonzero(as_tuple=True)
-        target_hidden = batch.hidden[b, p + 1]
-        # Step j needs j−1 positions of target context before it.
-        valid = torch.stack([p >= j - 1 for j in range(1, steps + 1)])
-        step_weights = [
-            self.rollout.step_weight(j) if j <= self.rollout.steps else 0.0 for j in range(1, steps + 1)
-        ]
-        predicted = torch.stack([out[b, p] for out in outputs])  # S×N×H
-        labels = None
-        if weights.ce > 0:
-            labels = shift_left(shift_left(batch.input_ids))[b, p]
-            labels = labels.masked_fill(~shift_left(shift_left(batch.attention_mask))[b, p].bool(), -1)
-        fused = self._fused(
-            head, head.vocab_projection(predicted), batch, b, p + 1, valid, step_weights, labels
-        )
-        features_loss = [
-            feature_regression(predicted[j][valid[j]], target_hidden[valid[j]])
-            if weights.feature > 0
-            else None
-            for j in range(steps)
-        ]
-        return self._output(fused, features_loss, step_weights)
-
-    def _medusa(self, head: MedusaHead, batch: FeatureBatch) -> ObjectiveOutput:
-        # Head k at p predicts x_{p+2+k}, whose target distribution is the target's at q = p+1+k.
-        # Indexing by q, every head shares the target's distribution at q (computed once per
-        # chunk), the label x_{q+1} and the top-K; head k reads the hidden state at q−1−k.
-        supervised = (shift_left(batch.loss_mask) * shift_left(batch.attention_mask)).bool()
-        b, q = supervised.nonzero(as_tuple=True)
-        ahead = torch.arange(1, head.num_heads + 1, device=q.device).unsqueeze(-1)  # K×1: 1 + k
-        valid = q >= ahead  # K×N: head k needs a position q−1−k ≥ 0 to read
-        hidden = batch.hidden[b, (q - ahead).clamp(min=0)]  # K×N×H
-        step_weights = [self.rollout.step_weight(k + 1) for k in range(head.num_heads)]
-        labels = batch.input_ids[b, q + 1] if self.weights.ce > 0 else None
-        fused = self._fused(head, head.vocab_projection(hidden), batch, b, q, valid, step_weights, labels)
-        return self._output(fused, [None] * head.num_heads, step_weights)

@@ -46,7 +46,13 @@ from specdraft.heads.formats.medusa import medusa_files, medusa_record, medusa_s
 from specdraft.heads.formats.native import is_native, native_files, native_record
 from specdraft.heads.formats.record import FormatError, HeadRecord, check_target
 from specdraft.heads.frozen import TargetWeights
-from specdraft.heads.registry import CHECKPOINT_KEY, CHECKPOINT_STATE_PREFIX, HEAD_KINDS, build_head
+from specdraft.heads.registry import (
+    CHECKPOINT_KEY,
+    CHECKPOINT_STATE_PREFIX,
+    HEAD_KINDS,
+    build_head,
+    head_config,
+)
 from specdraft.heads.spec import TargetSpec
 
 __all__ = [
@@ -64,12 +70,17 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Format:
-    kinds: tuple[str, ...]
+    """kinds: the head kinds the layout holds (None: every registered kind); loaded_by: who reads it."""
+
+    kinds: tuple[str, ...] | None
     loaded_by: str
+
+    def holds(self) -> tuple[str, ...]:
+        return tuple(HEAD_KINDS) if self.kinds is None else self.kinds
 
 
 FORMATS = {
-    "native": Format(("medusa", "eagle", "eagle3"), "specdraft-eval / specdraft-bench"),
+    "native": Format(None, "specdraft-eval / specdraft-bench"),
     "eagle": Format(("eagle",), "the official SafeAILab/EAGLE code"),
     "vllm": Format(("eagle", "eagle3"), "vLLM"),
     "speculators": Format(("eagle3",), "vLLM (speculators format)"),
@@ -97,10 +108,10 @@ def export_files(
     """
     if format not in FORMATS:
         raise FormatError(f"unknown export format {format!r}; expected one of {sorted(FORMATS)}")
-    if record.kind not in FORMATS[format].kinds:
-        fits = sorted(name for name, f in FORMATS.items() if record.kind in f.kinds)
+    if record.kind not in FORMATS[format].holds():
+        fits = sorted(name for name, f in FORMATS.items() if record.kind in f.holds())
         raise FormatError(
-            f"format {format} holds {'/'.join(FORMATS[format].kinds)} heads, not {record.kind!r}; "
+            f"format {format} holds {'/'.join(FORMATS[format].holds())} heads, not {record.kind!r}; "
             f"a head of kind {record.kind} exports as one of {fits}"
         )
     check_target(record.spec, target_spec, f"export {format}")
@@ -151,13 +162,10 @@ def check_round_trip(
         config, tensors, options["target_spec"], target_lm_head=options.get("target_lm_head"), format=format
     )
     expected = cast_floats(record.state, options.get("dtype"))
-    config_class = HEAD_KINDS[record.kind][1]
-
-    def head_config(cfg: dict[str, Any]) -> Any:
-        return config_class(**{k: v for k, v in cfg.items() if k != "kind"})
-
     problems = []
-    if back.kind != record.kind or head_config(back.config) != head_config(record.config):
+    if back.kind != record.kind or head_config(back.kind, back.config) != head_config(
+        record.kind, record.config
+    ):
         problems.append(f"head {back.kind} {back.config} instead of {record.kind} {record.config}")
     if back.spec.aux_layer_ids != record.spec.aux_layer_ids:
         problems.append(
@@ -262,13 +270,6 @@ def native_shapes(record: HeadRecord) -> dict[str, tuple[int, ...]]:
     if record.kind not in HEAD_KINDS:
         raise FormatError(f"unknown head kind {record.kind!r}; expected one of {sorted(HEAD_KINDS)}")
     spec = record.spec
-    d2t = t2d = None
-    if record.kind == "eagle3":  # real (small) maps: the head checks them on construction
-        draft_vocab = int(record.config.get("draft_vocab_size") or spec.vocab_size)
-        if not 0 < draft_vocab <= spec.vocab_size:
-            raise FormatError(f"eagle3 head: draft_vocab_size {draft_vocab} is not in 1..{spec.vocab_size}")
-        d2t, t2d = torch.zeros(draft_vocab, dtype=torch.long), torch.zeros(spec.vocab_size, dtype=torch.bool)
-        t2d[:draft_vocab] = True
     with torch.device("meta"):
         weights = TargetWeights(
             torch.empty(spec.vocab_size, spec.hidden_size),
@@ -276,7 +277,7 @@ def native_shapes(record: HeadRecord) -> dict[str, tuple[int, ...]]:
             torch.empty(spec.hidden_size),
         )
         try:
-            head = build_head(record.kind, record.config, spec, weights, d2t, t2d)
+            head = build_head(record.kind, record.config, spec, weights)
         except ValueError as error:
             raise FormatError(f"head {record.kind}: {error}") from None
     return {name: tuple(t.shape) for name, t in head.state_dict().items()}

@@ -165,7 +165,7 @@ def eagle3_files(
     spec = record.spec
     tensors = rename(record.state, EAGLE3_KEYS)
     draft_vocab = int(tensors["lm_head.weight"].shape[0])
-    if not record.reduced_vocab:
+    if draft_vocab == spec.vocab_size:
         # A full-vocabulary head needs no maps; vLLM has no parameter to load them into.
         tensors.pop("d2t", None)
         tensors.pop("t2d", None)

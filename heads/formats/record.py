@@ -28,7 +28,7 @@ class FormatError(ValueError):
 
 @dataclass(frozen=True)
 class HeadRecord:
-    """kind ("medusa" / "eagle" / "eagle3"), the head config dict, the TargetSpec it was trained
+    """kind (a key of ``heads.registry.HEAD_KINDS``), the head config dict, the TargetSpec it was trained
     for, its state_dict in specdraft names (``head.state_dict()``, d2t/t2d included), and
     provenance (checkpoint path, tokens seen; informational)."""
 
@@ -37,14 +37,6 @@ class HeadRecord:
     spec: TargetSpec
     state: dict[str, Tensor]
     provenance: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def reduced_vocab(self) -> bool:
-        """EAGLE-3 over a draft vocabulary smaller than the target's."""
-        return self.kind == "eagle3" and self.config.get("draft_vocab_size") not in (
-            None,
-            self.spec.vocab_size,
-        )
 
 
 def check_target(head_spec: TargetSpec, target_spec: TargetSpec, what: str) -> None:

@@ -24,39 +24,16 @@ weights 0.8^(j−1) is EAGLE-3's training-time test.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from specdraft.heads.eagle import FeatureHead
+from specdraft.heads.interface import shift_left
 from specdraft.heads.layers import AlignedMask
 
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    """steps: n draft steps per batch (1 = plain EAGLE training); step_weight_base: β, step j's
-    loss is weighted β^(j−1); detach: cut the gradient through the features earlier steps feed
-    to later ones (HASS: true, EAGLE-3 TTT: false)."""
-
-    steps: int = 1
-    step_weight_base: float = 1.0
-    detach: bool = True
-
-    def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ValueError(f"rollout steps must be >= 1, got {self.steps}")
-        if self.step_weight_base <= 0:
-            raise ValueError(f"rollout step_weight_base must be > 0, got {self.step_weight_base}")
-
-    def step_weight(self, step: int) -> float:
-        """Loss weight of 1-based step ``step``."""
-        return self.step_weight_base ** (step - 1)
-
-
-def shift_left(x: Tensor, fill: float | int = 0) -> Tensor:
-    """x[:, p] <- x[:, p+1] along dim 1; the last position gets ``fill``."""
-    return torch.cat([x[:, 1:], torch.full_like(x[:, :1], fill)], dim=1)
+if TYPE_CHECKING:  # the head module calls this one
+    from specdraft.heads.eagle import FeatureHead
 
 
 def shift_right(x: Tensor) -> Tensor:
@@ -65,9 +42,9 @@ def shift_right(x: Tensor) -> Tensor:
 
 
 def rollout(
-    head: FeatureHead, features: Tensor, input_ids: Tensor, config: RolloutConfig, pad_token_id: int = 0
+    head: FeatureHead, features: Tensor, input_ids: Tensor, steps: int, detach: bool, pad_token_id: int = 0
 ) -> list[Tensor]:
-    """Run ``config.steps`` aligned draft steps over whole sequences.
+    """Run ``steps`` aligned draft steps over whole sequences (``detach``: see above).
 
     features   B×T×H  level-1 features (``head.initial_features``)
     input_ids  B×T    the tokens; position p reads x_{p+1}
@@ -80,7 +57,7 @@ def rollout(
     past_keys: list[Tensor] = []
     past_values: list[Tensor] = []
     outputs: list[Tensor] = []
-    for step in range(1, config.steps + 1):
+    for step in range(1, steps + 1):
         # Step 1 is plain causal attention (the fused kernel); later steps add one key per level.
         mask = AlignedMask(step)
         past_key = torch.cat(past_keys, dim=2) if past_keys else None
@@ -89,5 +66,5 @@ def rollout(
         outputs.append(output)
         past_keys.append(key)
         past_values.append(value)
-        features = shift_right(output.detach() if config.detach else output)
+        features = shift_right(output.detach() if detach else output)
     return outputs
