@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 USER_ERROR_EXIT_CODE = 2  # as argparse uses for a bad command line
 DEBUG_ENV = "SPECDRAFT_DEBUG"
+WORKER_TRACEBACK = "Original Traceback (most recent call last):"  # torch's ExceptionWrapper
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, OmegaConfBaseException)
 
 Entry = TypeVar("Entry", bound=Callable[..., Any])
@@ -28,6 +29,19 @@ Entry = TypeVar("Entry", bound=Callable[..., Any])
 def one_line(message: str) -> str:
     """A message on one line: its lines joined with "; " (a list of differing keys stays readable)."""
     return "; ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
+def error_message(error: BaseException) -> str:
+    """What ``error`` says. One raised in a DataLoader worker reaches the main process re-raised
+    by torch with the worker's traceback inside its message: only the original message is kept."""
+    message = str(error) or type(error).__name__
+    if WORKER_TRACEBACK in message:
+        lines = message.splitlines()
+        prefix = f"{type(error).__name__}: "
+        starts = [i for i, line in enumerate(lines) if line.startswith(prefix)]
+        if starts:
+            message = "\n".join(lines[starts[-1] :]).removeprefix(prefix)
+    return message
 
 
 def user_errors(command: str) -> Callable[[Entry], Entry]:
@@ -45,7 +59,7 @@ def user_errors(command: str) -> Callable[[Entry], Entry]:
             except USER_ERRORS as error:
                 if os.environ.get(DEBUG_ENV):
                     raise
-                message = str(error) if str(error) else type(error).__name__
+                message = error_message(error)
             print(f"{command}: error: {one_line(message)}", file=sys.stderr)
             raise SystemExit(USER_ERROR_EXIT_CODE)
 

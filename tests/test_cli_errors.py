@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from hydra.core.global_hydra import GlobalHydra
 
 from specdraft.data import cache_cli, prepare, regen_cli
@@ -116,6 +117,30 @@ def corrupt_checkpoint(tmp_path: Path) -> Path:
             "resume must be auto, true or false, got 'maybe'",
         ),
         (
+            train_cli.main,
+            "specdraft-train",
+            lambda t: [
+                "experiment=eagle3",
+                "debug=smoke",
+                "target=tiny_random",
+                "datamodule.aux_layers=false",
+                f"paths.output_dir={t}",
+            ],
+            "head eagle3 reads the target's layers [1, 2, 3]",  # refused before training starts
+        ),
+        (
+            train_cli.main,
+            "specdraft-train",
+            lambda t: [
+                "experiment=hass",
+                "debug=smoke",
+                "target=tiny_random",
+                "datamodule.top_k=2",
+                f"paths.output_dir={t}",
+            ],
+            "loss.topk_k=10 but the features hold only the target's top-2",  # inside Trainer.fit
+        ),
+        (
             quickstart.main,
             "specdraft-quickstart",
             lambda t: ['overrides.train=["trainer.max_steps=800"]', f"paths.log_dir={t}"],
@@ -171,3 +196,24 @@ def test_the_traceback_shows_with_the_debug_flag_and_bugs_keep_theirs(monkeypatc
     monkeypatch.setenv("SPECDRAFT_DEBUG", "1")
     with pytest.raises(ValueError, match="step must be positive"):
         bad_value()
+
+
+class RefusingDataset(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int):
+        raise ValueError("shard 3: expected input_ids,\n  got nothing")
+
+
+def test_an_error_raised_in_a_dataloader_worker_keeps_only_its_own_message(capsys):
+    """torch re-raises a worker's exception in the main process with the worker's traceback in its
+    message: the one line shows the original message alone."""
+
+    @user_errors("specdraft-demo")
+    def load() -> None:
+        next(iter(torch.utils.data.DataLoader(RefusingDataset(), num_workers=1)))
+
+    with pytest.raises(SystemExit):
+        load()
+    assert capsys.readouterr().err == "specdraft-demo: error: shard 3: expected input_ids,; got nothing\n"
