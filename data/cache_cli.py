@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdraft.data.cache import StoredFields, finalize_manifest, validate_cache, write_cache
 from specdraft.data.chat import tokenize_conversations
-from specdraft.data.conversations import split_conversations
+from specdraft.data.conversations import select_conversations
 from specdraft.data.errors import user_errors
 from specdraft.data.hardware import start
 
@@ -37,13 +37,10 @@ def main(cfg: DictConfig) -> None:
         return
     if cfg.mode != "write":
         raise ValueError(f"mode must be 'write' or 'validate', got {cfg.mode!r}")
-    if cfg.split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {cfg.split!r}")
-
-    target = instantiate(cfg.target)
     source = instantiate(cfg.data.source)
-    train, heldout = split_conversations(source.conversations, cfg.data.heldout_fraction, cfg.data.split_seed)
-    conversations = (train if cfg.split == "train" else heldout)[: cfg.limit]
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    conversations, description = select_conversations(source.conversations, data, cfg.split, cfg.limit)
+    target = instantiate(cfg.target)
     samples, token_report = tokenize_conversations(
         target.tokenizer, conversations, cfg.data.max_length, cfg.progress
     )
@@ -55,11 +52,6 @@ def main(cfg: DictConfig) -> None:
         )
 
     fields = StoredFields(tuple(target.spec.aux_layer_ids) if cfg.aux_layers else (), cfg.top_k)
-    description = {
-        "data": OmegaConf.to_container(cfg.data, resolve=True),
-        "split": cfg.split,
-        "limit": cfg.limit,
-    }
     manifest = write_cache(
         target,
         samples,

@@ -15,7 +15,7 @@ import json
 import logging
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -185,6 +185,25 @@ def split_conversations(
     for conversation in conversations:
         (heldout if is_heldout(conversation.id, heldout_fraction, seed) else train).append(conversation)
     return train, heldout
+
+
+SPLITS = ("train", "heldout", "all")
+
+
+def select_conversations(
+    conversations: Sequence[Conversation], data: Mapping[str, Any], split: str, limit: int | None
+) -> tuple[list[Conversation], dict[str, Any]]:
+    """The first ``limit`` (None: all) conversations of ``split`` — "train" or "heldout" as
+    :func:`split_conversations` cuts them with ``data``'s heldout_fraction and split_seed, or
+    "all" — and their description for a manifest: {data, split, limit}."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
+    if split == "all":
+        chosen = list(conversations)
+    else:
+        train, heldout = split_conversations(conversations, data["heldout_fraction"], data["split_seed"])
+        chosen = train if split == "train" else heldout
+    return chosen[:limit], {"data": dict(data), "split": split, "limit": limit}
 
 
 def normalise_record(record: Any, record_id: str, report: ReadReport) -> Conversation | None:

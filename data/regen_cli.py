@@ -15,7 +15,7 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from specdraft.data.conversations import split_conversations
+from specdraft.data.conversations import select_conversations
 from specdraft.data.errors import user_errors
 from specdraft.data.hardware import start
 from specdraft.data.regen import (
@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 def main(cfg: DictConfig) -> None:
     start("specdraft-regen", cfg.threads, cfg.target)
     settings = GenerationSettings(**cfg.generation)
+    source = instantiate(cfg.data.source)
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    conversations, description = select_conversations(source.conversations, data, cfg.split, cfg.limit)
     if cfg.backend == "target":
         target = instantiate(cfg.target)
         rules = AutoBatch(**cfg.auto)
@@ -61,19 +64,7 @@ def main(cfg: DictConfig) -> None:
     else:
         raise ValueError(f"backend must be 'target' or 'openai', got {cfg.backend!r}")
 
-    source = instantiate(cfg.data.source)
-    train, heldout = split_conversations(source.conversations, cfg.data.heldout_fraction, cfg.data.split_seed)
-    splits = {"train": train, "heldout": heldout, "all": source.conversations}
-    if cfg.split not in splits:
-        raise ValueError(f"split must be one of {sorted(splits)}, got {cfg.split!r}")
-    conversations = splits[cfg.split][: cfg.limit]
-
     Path(cfg.out_path).parent.mkdir(parents=True, exist_ok=True)
-    description = {
-        "data": OmegaConf.to_container(cfg.data, resolve=True),
-        "split": cfg.split,
-        "limit": cfg.limit,
-    }
     report = regenerate(
         conversations,
         responder,
