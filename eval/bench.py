@@ -189,6 +189,18 @@ def record_of(
     }
 
 
+def check_plain_first(methods: Sequence[Method]) -> None:
+    """Every speedup is against plain decoding in the same run: it must come first."""
+    if not methods or methods[0].type != "plain":
+        raise ValueError("the first method must be plain decoding (the speedup reference)")
+
+
+def question_seed(seed: int, question: Question) -> int:
+    """The sampling seed of ``question``: the run's seed moved by a hash of its id, so every method
+    (and every batch it lands in) samples it with the same stream, and resuming does not shift it."""
+    return seed + zlib.crc32(question.id.encode())
+
+
 def run_benchmark(
     target: Target,
     questions: Sequence[Question],
@@ -214,8 +226,7 @@ def run_benchmark(
     (``time_box``). The time spent is kept in ``time_box.json``, so resuming under the same box
     continues its clock (a finished box stays finished); another box, or none, starts afresh.
     Questions run in the given order, so a balanced order keeps a cut-short run balanced."""
-    if not methods or methods[0].type != "plain":
-        raise ValueError("the first method must be plain decoding (the speedup reference)")
+    check_plain_first(methods)
     done = prepare_output_dir(out_dir, config, resume)
     units = [(q, t) for q in questions for t in temperatures if (q.id, float(t)) not in done]
     if done:
@@ -240,7 +251,7 @@ def run_benchmark(
             break
         unit_started = time.perf_counter()
         sampling = sampling_for(temperature)
-        unit_seed = seed + zlib.crc32(question.id.encode())  # the same for every method
+        unit_seed = question_seed(seed, question)  # the same for every method
         records = []
         for method in methods:
             for turn, (generation, prompt_ids) in enumerate(
@@ -289,8 +300,7 @@ def run_batch_benchmark(
     every method decoding each batch in turn (plain decoding first). Resumable per batch, as
     :func:`run_benchmark` is per question. ``warmup``: every method decodes the longest prompts
     at the largest size once, untimed (caches and drafters sized for the run)."""
-    if not methods or methods[0].type != "plain":
-        raise ValueError("the first method must be plain decoding (the speedup reference)")
+    check_plain_first(methods)
     unbatched = [m.name for m in methods if m.generate_batch is None]
     if unbatched:
         raise ValueError(
@@ -301,7 +311,7 @@ def run_batch_benchmark(
         raise ValueError(f"batch_sizes {too_big}: larger than the {len(questions)} questions of the prompts")
     done = prepare_output_dir(out_dir, config, resume, batch_unit)
     prompts = [first_turn_ids(target, question) for question in questions]
-    seeds = [seed + zlib.crc32(question.id.encode()) for question in questions]  # the same in every batch
+    seeds = [question_seed(seed, question) for question in questions]  # the same in every batch
     units = [
         (size, batch, float(temperature))
         for size in batch_sizes

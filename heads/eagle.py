@@ -109,7 +109,10 @@ class FeatureHead(DraftHead):
         """N×H: the rows of the head's output projection for ``target_ids``, so that drafting over
         a shortlist of the vocabulary (FR-Spec) projects onto them alone. A head whose logits are
         not a plain projection of its outputs over the target vocabulary raises ValueError."""
-        raise ValueError(f"a {type(self).__name__} drafts over its own vocabulary: no vocab_shortlist")
+        raise ValueError(
+            f"head {self.kind} drafts over its own vocabulary: vocab_shortlist applies to heads that "
+            "draft through the target's lm_head"
+        )
 
     def training_predictions(self, batch: TrainingBatch, steps: int, detach: bool) -> TrainingPredictions:
         """Roll out ``steps`` aligned steps over the whole batch (:mod:`specdraft.heads.rollout`).

@@ -253,7 +253,7 @@ def test_vocab_shortlist_keeps_greedy_output_and_drafts_inside_it(diverse_target
     drafter.commit(prompt.tolist(), output, expected[0])
     draft = drafter.draft(expected[0], GREEDY)
     assert draft.tokens[1:].min() >= 3 and draft.tokens[1:].max() < 150
-    with pytest.raises(ValueError, match="EAGLE-1/2"):
+    with pytest.raises(ValueError, match="eagle3 drafts over its own vocabulary"):
         FeatureHeadDrafter(random_head(diverse_target, "eagle3"), SHAPES["chain"], vocab_shortlist=shortlist)
 
 

@@ -119,7 +119,7 @@ def test_every_format_of_every_kind_is_covered_by_a_layout():
     covered = {
         (json.loads(p.read_text())["format"], json.loads(p.read_text())["head"]["kind"]) for p in LAYOUTS
     }
-    wanted = {(f, k) for f, info in FORMATS.items() if f != "native" for k in info.kinds}
+    wanted = {(f, k) for f, info in FORMATS.items() if f != "native" for k in info.holds()}
     assert wanted <= covered
 
 
@@ -131,7 +131,7 @@ def test_export_reads_back_bit_for_bit(target, tmp_path, name, dtype):
     lm_head = target_weights(target).lm_head
     exported = 0
     for format, info in FORMATS.items():
-        if kind not in info.kinds or (format == "vllm" and KINDS[name].get("fc_bias")):
+        if kind not in info.holds() or (format == "vllm" and KINDS[name].get("fc_bias")):
             continue
         out = write_export(
             tmp_path / format, record, format, target_spec=target.spec, target_lm_head=lm_head, dtype=dtype
