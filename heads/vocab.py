@@ -73,8 +73,9 @@ def target_to_draft_index(t2d: Tensor) -> Tensor:
 
 def check_vocab_maps(d2t: Tensor, t2d: Tensor, draft_vocab_size: int, vocab_size: int) -> None:
     """Refuse maps that are not a draft vocabulary of ``draft_vocab_size`` tokens out of
-    ``vocab_size``: the wrong lengths, t2d marking another number of tokens, or d2t mapping a
-    draft id to a target token t2d does not mark."""
+    ``vocab_size``: the wrong lengths, t2d marking another number of tokens, d2t mapping a draft
+    id to a target token t2d does not mark, or draft ids out of target-id order (the inverse
+    map, :func:`target_to_draft_index`, numbers the marked tokens in order)."""
     if d2t.shape != (draft_vocab_size,) or t2d.shape != (vocab_size,):
         raise ValueError(
             f"draft vocabulary maps: d2t has shape {tuple(d2t.shape)} and t2d {tuple(t2d.shape)}; "
@@ -87,3 +88,5 @@ def check_vocab_maps(d2t: Tensor, t2d: Tensor, draft_vocab_size: int, vocab_size
     ids = torch.arange(draft_vocab_size, device=d2t.device) + d2t
     if bool((ids < 0).any() | (ids >= vocab_size).any()) or not bool(t2d[ids.clamp(0, vocab_size - 1)].all()):
         raise ValueError("draft vocabulary maps: d2t maps draft ids to target tokens t2d does not mark")
+    if not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError("draft vocabulary maps: d2t must map draft ids to increasing target ids")

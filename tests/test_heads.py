@@ -128,6 +128,10 @@ def test_eagle3_rejects_inconsistent_vocab(spec, weights):
         head.load_state_dict({**state, "t2d": state["t2d"].clone().index_fill_(0, torch.tensor([0]), False)})
     with pytest.raises(ValueError, match="does not mark"):
         head.set_draft_vocab(torch.full((20,), 5), state["t2d"])
+    swapped = state["d2t"].clone()
+    swapped[:2] = torch.tensor([1, -1])  # draft ids 0 and 1 -> target ids 1 and 0
+    with pytest.raises(ValueError, match="increasing target ids"):
+        head.set_draft_vocab(swapped, state["t2d"])
     with pytest.raises(ValueError, match="draft_vocab_size must be >= 1"):
         Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=0))
     # No smaller than the target's vocabulary: the full vocabulary, as the config records it.
