@@ -72,8 +72,10 @@ class Eagle3Config:
 
 class FeatureHead(DraftHead):
     """What EAGLE-1/2 and EAGLE-3 share: a frozen target embedding, one draft decoder layer, and the
-    step / logits API. Subclasses define the level-1 features, the attention input, and logits;
-    every feature head drafts with ``specdraft.eval.drafters.FeatureHeadDrafter``."""
+    step / logits API. Subclasses define the level-1 features and the attention input. By default
+    a head drafts through the target's frozen lm_head over the target vocabulary (EAGLE-1/2); a
+    head with a vocabulary of its own (EAGLE-3) overrides the logits and vocabulary methods.
+    Every feature head drafts with ``specdraft.eval.drafters.FeatureHeadDrafter``."""
 
     def __init__(self, spec: TargetSpec, weights: TargetWeights, attention_input_size: int) -> None:
         super().__init__(spec, weights)
@@ -94,25 +96,24 @@ class FeatureHead(DraftHead):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Draft logits ...×V' for layer outputs ...×H."""
-        raise NotImplementedError
+        return self.target_logits(hidden)
 
     @property
     def draft_vocab_size(self) -> int:
         """V', the size of the vocabulary the head drafts over."""
-        raise NotImplementedError
+        return self.spec.vocab_size
 
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocabulary ids -> target ids."""
-        raise NotImplementedError
+        return draft_ids
 
     def shortlist_weight(self, target_ids: Tensor) -> Tensor:
         """N×H: the rows of the head's output projection for ``target_ids``, so that drafting over
-        a shortlist of the vocabulary (FR-Spec) projects onto them alone. A head whose logits are
-        not a plain projection of its outputs over the target vocabulary raises ValueError."""
-        raise ValueError(
-            f"head {self.kind} drafts over its own vocabulary: vocab_shortlist applies to heads that "
-            "draft through the target's lm_head"
-        )
+        a shortlist of the vocabulary (FR-Spec) projects onto them alone."""
+        return self.target_lm_head[target_ids]
+
+    def vocab_projection(self, outputs: Tensor) -> VocabProjection:
+        return VocabProjection(outputs, self.target_lm_head)
 
     def training_predictions(self, batch: TrainingBatch, steps: int, detach: bool) -> TrainingPredictions:
         """Roll out ``steps`` aligned steps over the whole batch (:mod:`specdraft.heads.rollout`).
@@ -173,22 +174,6 @@ class EagleHead(FeatureHead):
         embedded = self.embed(token_ids).to(features.dtype)
         h = self.fc(torch.cat([embedded, features], dim=-1))
         return h, h  # layer 0 has no input norm: the attention reads h itself
-
-    def logits(self, hidden: Tensor) -> Tensor:
-        return self.target_logits(hidden)
-
-    @property
-    def draft_vocab_size(self) -> int:
-        return self.spec.vocab_size
-
-    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
-        return draft_ids
-
-    def shortlist_weight(self, target_ids: Tensor) -> Tensor:
-        return self.target_lm_head[target_ids]
-
-    def vocab_projection(self, outputs: Tensor) -> VocabProjection:
-        return VocabProjection(outputs, self.target_lm_head)
 
 
 class Eagle3Head(FeatureHead):
@@ -274,6 +259,12 @@ class Eagle3Head(FeatureHead):
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocabulary ids -> target ids."""
         return draft_ids + self.d2t[draft_ids]
+
+    def shortlist_weight(self, target_ids: Tensor) -> Tensor:
+        raise ValueError(
+            f"head {self.kind} drafts over its own vocabulary: vocab_shortlist applies to heads that "
+            "draft through the target's lm_head"
+        )
 
     def vocab_projection(self, outputs: Tensor) -> VocabProjection:
         if self.draft_vocab_size == self.spec.vocab_size:

@@ -3,7 +3,7 @@ DraftHead interface (specdraft.heads.interface), nothing else of specdraft touch
 
 ToyHead is an autoregressive feature head unlike EAGLE's: the draft layer reads
 ``f_t + g ⊙ emb(x_{t+1})`` (a learned gate g per channel instead of EAGLE's 2H → H fc) and drafts
-through the target's frozen lm_head.
+through the target's frozen lm_head (FeatureHead's default).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from torch import Tensor, nn
 from specdraft.heads.eagle import FeatureHead
 from specdraft.heads.frozen import TargetWeights
 from specdraft.heads.spec import TargetSpec
-from specdraft.heads.vocab import VocabProjection
 
 
 @dataclass(frozen=True)
@@ -48,16 +47,3 @@ class ToyHead(FeatureHead):
     def attention_inputs(self, features: Tensor, token_ids: Tensor) -> tuple[Tensor, Tensor]:
         h = features + self.gate.to(features.dtype) * self.embed(token_ids).to(features.dtype)
         return h, h
-
-    def logits(self, hidden: Tensor) -> Tensor:
-        return self.target_logits(hidden)
-
-    @property
-    def draft_vocab_size(self) -> int:
-        return self.spec.vocab_size
-
-    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
-        return draft_ids
-
-    def vocab_projection(self, outputs: Tensor) -> VocabProjection:
-        return VocabProjection(outputs, self.target_lm_head)
