@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import platform
 import re
@@ -124,9 +125,20 @@ ABLATION = {
     "hass_topk": ["experiment=hass", "loss.rollout.steps=1"],
     "hass_align": ["experiment=hass", "loss.weights.topk=0"],
     "hass_beta1": ["experiment=hass", "loss.rollout.step_weight_base=1.0"],
+    # HASS as its reference code trains it: the second stage of TWO_STAGE (Top-K added).
+    "hass_2stage": ["experiment=hass"],
     "eagle3": ["experiment=eagle3"],
     "hass_eagle3": ["experiment=hass_eagle3"],
 }
+# HASS's reference (its train.sh) trains in two stages: the alignment alone (Top-K weight 0) for 40
+# epochs, then 10 more with Top-K distillation added (weight 1) at a third of the learning rate
+# (1e-5 after 3e-5), from the first stage's weights. Here: head -> the ABLATION recipe of its first
+# stage, which takes the first 1 − TOPK_STAGE_FRACTION of the head's steps; the second stage
+# (init_from the first's final weights) the rest, so the head still sees the same tokens as the others.
+TWO_STAGE = {"hass_2stage": "hass_align"}
+TOPK_STAGE_FRACTION = 0.2  # 10 of 50 epochs
+TOPK_STAGE_LR_SCALE = 1 / 3  # 1e-5 / 3e-5
+FIRST_STAGE_SUFFIX = "_stage1"  # the first stage's run: RESULTS/train/<head><this>
 # The HASS loss-weight sweep (stage sweep): the Top-K weight w and β on a grid narrowed to a CPU
 # session (K = 10 and n = 3 as in conf/loss/hass.yaml); --sweep key=v1,v2 … replaces it.
 SWEEP_NAME = "hass-weights"
@@ -239,21 +251,30 @@ def head_method(name: str, checkpoint: Path, shape: str, shortlist: bool = True)
 
 
 def ablation_overrides(
-    name: str, steps: int, features: Path, placement: Placement = Placement()
+    name: str,
+    steps: int,
+    features: Path,
+    placement: Placement = Placement(),
+    recipe: list[str] | None = None,
+    lr_scale: float = 1.0,
+    warmup: int = ABLATION_WARMUP,
 ) -> list[str]:
     """What every ablation head shares: the features, the batches, the schedule, the vocabulary.
 
     Equal TOKENS, not time: every head takes ``steps`` optimiser steps over the same batches (same
     cache, batch size and seed), with the cosine decay ending at ``steps``, and its final weights
-    are benched."""
+    are benched. ``recipe`` (default ``ABLATION[name]``), ``lr_scale`` and ``warmup`` are set apart
+    for the stages of a TWO_STAGE head; last.ckpt is written at the final step whatever ``steps``."""
     vocab = (
         f"head.config.draft_vocab_size={ABLATION_VOCAB}"
         if name in OWN_VOCAB
         else f"loss.draft_vocab_size={ABLATION_VOCAB}"
     )
+    lr = [] if lr_scale == 1.0 else [f"optim.lr={default_lr() * lr_scale:.6g}"]
     return [
-        *ABLATION[name],
+        *(ABLATION[name] if recipe is None else recipe),
         vocab,
+        *lr,
         f"run_name={name}",
         f"paths.log_dir={RESULTS}",
         "datamodule=cached",
@@ -267,26 +288,59 @@ def ablation_overrides(
         f"trainer.precision={placement.precision}",
         f"trainer.val_check_interval={ABLATION_VAL_EVERY}",
         "trainer.limit_val_batches=1.0",
-        f"scheduler.warmup_steps={ABLATION_WARMUP}",
+        f"scheduler.warmup_steps={warmup}",
         f"scheduler.total_steps={steps}",
-        f"callbacks.last_checkpoint.every_n_train_steps={ABLATION_CHECKPOINT_EVERY}",
+        # last.ckpt must hold the final step's weights: they are what the bench reads.
+        f"callbacks.last_checkpoint.every_n_train_steps={math.gcd(steps, ABLATION_CHECKPOINT_EVERY)}",
         "validate_at_end=true",
         "callbacks.progress.refresh_rate=0",
         *placement.training(),
     ]
 
 
-def ablation(steps: int, features: Path | None, placement: Placement) -> None:
-    """Train every ABLATION head for ``steps`` steps on the same features (a finished run is kept;
-    a killed one resumes from its last checkpoint)."""
+def default_lr() -> float:
+    """The optimiser's default learning rate (conf/optim/adamw.yaml), which every head trains at."""
+    return float(yaml.safe_load((ROOT / "conf" / "optim" / "adamw.yaml").read_text())["lr"])
+
+
+def ablation(steps: int, features: Path | None, placement: Placement, heads: list[str] | None = None) -> None:
+    """Train every ABLATION head (or ``heads`` of them) for ``steps`` steps on the same features (a
+    finished run is kept; a killed one resumes from its last checkpoint)."""
     if steps % ABLATION_CHECKPOINT_EVERY:
-        # last.ckpt must hold the final step's weights: it is what the bench reads.
+        # A run's curve and resume points fall on the same steps for every head.
         raise SystemExit(f"--steps must be a multiple of {ABLATION_CHECKPOINT_EVERY}, got {steps}")
     features = features or quickstart_features()
-    for name in ABLATION:
+    for name in heads or ABLATION:
         if (RESULTS / "train" / name / "summary.json").is_file():
             continue
-        command("specdraft-train", *ablation_overrides(name, steps, features, placement))
+        if name in TWO_STAGE:
+            train_two_stage(name, steps, features, placement)
+        else:
+            command("specdraft-train", *ablation_overrides(name, steps, features, placement))
+
+
+def train_two_stage(name: str, steps: int, features: Path, placement: Placement) -> None:
+    """A TWO_STAGE head: its first stage's recipe for the first steps, then its own recipe from
+    those weights at TOPK_STAGE_LR_SCALE × the learning rate for the last TOPK_STAGE_FRACTION."""
+    second = round(steps * TOPK_STAGE_FRACTION)
+    first_run = f"{name}{FIRST_STAGE_SUFFIX}"
+    if not (RESULTS / "train" / first_run / "summary.json").is_file():
+        recipe = ABLATION[TWO_STAGE[name]]
+        command(
+            "specdraft-train", *ablation_overrides(first_run, steps - second, features, placement, recipe)
+        )
+    command(
+        "specdraft-train",
+        *ablation_overrides(
+            name,
+            second,
+            features,
+            placement,
+            lr_scale=TOPK_STAGE_LR_SCALE,
+            warmup=round(ABLATION_WARMUP * TOPK_STAGE_FRACTION),
+        ),
+        f"init_from={RESULTS / 'train' / first_run / 'checkpoints' / 'last.ckpt'}",
+    )
 
 
 def bench(max_minutes: float | None, placement: Placement) -> None:
@@ -663,16 +717,27 @@ def ablation_snapshot() -> dict | None:
         },
         "data": run_data(eagle_run),
         "training": {
-            name: {
-                **(training_summary(RESULTS / "train" / name) or {}),
-                "curve": val_curve(RESULTS / "train" / name),
-            }
+            name: ablation_training(name)
             for name in ABLATION
             if (RESULTS / "train" / name / "summary.json").is_file()
         },
         "results": results,
         "depth": depth,
     }
+
+
+def ablation_training(name: str) -> dict:
+    """A trained ablation head's summary and held-out curve; a TWO_STAGE head's count both stages
+    (steps, tokens and seconds added, the second stage's curve after the first's)."""
+    run = RESULTS / "train" / name
+    summary, curve = training_summary(run) or {}, val_curve(run)
+    first = RESULTS / "train" / f"{name}{FIRST_STAGE_SUFFIX}"
+    if name in TWO_STAGE and (first / "summary.json").is_file():
+        before = training_summary(first) or {}
+        for key in ("global_step", "tokens_seen", "fit_seconds"):
+            summary[key] = before[key] + summary[key]
+        curve = val_curve(first) + [[step + before["global_step"], *rest] for step, *rest in curve]
+    return {**summary, "curve": curve}
 
 
 def lookahead_snapshot() -> dict | None:
@@ -1802,6 +1867,7 @@ def main() -> None:
     )
     parser.add_argument("--stages", nargs="+", default=["ablation", "depth", "bench", "doc"])
     parser.add_argument("--steps", type=int, default=300, help="training steps of every ablation head")
+    parser.add_argument("--heads", nargs="+", choices=list(ABLATION), help="train only these ablation heads")
     parser.add_argument(
         "--features", type=Path, help="the ablation's feature caches (default: the quickstart's)"
     )
@@ -1839,7 +1905,7 @@ def main() -> None:
     started = time.perf_counter()
     for stage in args.stages:
         if stage == "ablation":
-            ablation(args.steps, args.features, placement)
+            ablation(args.steps, args.features, placement, args.heads)
         elif stage == "bench":
             bench(args.max_minutes, placement)
         elif stage == "depth":

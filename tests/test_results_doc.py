@@ -151,7 +151,7 @@ def test_ablation_section_before_its_bench_shows_training_and_the_mechanism(resu
     text = (tmp_path / "docs" / "results.md").read_text()
     assert "Machine: 2026-11-24, AMD EPYC (avx2)" in text  # the depth measurement's
     assert "not benched yet (`--stages bench`)" in text and "τ ÷ EAGLE-2" not in text
-    assert "Not trained yet: hass_topk, hass_align, hass_beta1, eagle3, hass_eagle3." in text
+    assert "Not trained yet: hass_topk, hass_align, hass_beta1, hass_2stage, eagle3, hass_eagle3." in text
     assert "| hass | 300 | 1,105,999 |" in text and "| eagle | 0.360 / 0.350" in text
 
 
@@ -369,3 +369,41 @@ def test_sweep_section_from_the_sweep_report(results, tmp_path: Path) -> None:
     shutil.rmtree(results.LOG_DIR)  # the snapshot alone renders the same section
     results.doc()
     assert (tmp_path / "docs" / "results.md").read_text() == text
+
+
+def test_the_two_stage_hass_head_trains_alignment_then_topk_from_its_weights_at_equal_tokens(
+    results, tmp_path: Path, monkeypatch
+) -> None:
+    """HASS's reference schedule: the first stage is hass_align's recipe, the second the head's own
+    from the first's final weights at a third of the learning rate; the steps add up to every other
+    head's, each stage checkpoints its final step, and the snapshot counts both stages."""
+    calls: list[list[str]] = []
+    monkeypatch.setattr(results, "command", lambda name, *overrides: calls.append(list(overrides)))
+    results.ablation(300, tmp_path / "features", results.Placement(), heads=["hass_2stage"])
+    first, second = (compose_train(tmp_path / f"s{i}", *call) for i, call in enumerate(calls))
+    assert first.loss.weights.topk == 0 and first.loss.rollout.steps == 3 and first.init_from is None
+    assert second.loss.weights.topk == 1.0 and second.loss.rollout.steps == 3
+    assert first.trainer.max_steps + second.trainer.max_steps == 300
+    assert second.trainer.max_steps == 60 and second.scheduler.total_steps == 60
+    for cfg in (first, second):
+        assert cfg.trainer.max_steps % cfg.callbacks.last_checkpoint.every_n_train_steps == 0
+        assert cfg.loss.draft_vocab_size == results.ABLATION_VOCAB
+    assert second.init_from == str(
+        results.RESULTS / "train" / "hass_2stage_stage1" / "checkpoints" / "last.ckpt"
+    )
+    assert second.optim.lr == pytest.approx(first.optim.lr / 3, rel=1e-5)
+
+    for name, steps, rows in (
+        ("hass_2stage_stage1", 240, ["step,val/acc_1,val/sim_tau", "119,0.3,1.4", "239,0.35,1.5"]),
+        ("hass_2stage", 60, ["step,val/acc_1,val/sim_tau", "59,0.37,1.55"]),
+    ):
+        run = results.RESULTS / "train" / name
+        summary = {"global_step": steps, "tokens_seen": steps * 10, "fit_seconds": 1.0, "best_sim_tau": 1.5}
+        write(run / "summary.json", summary)
+        (run / "csv" / "version_0").mkdir(parents=True)
+        (run / "csv" / "version_0" / "metrics.csv").write_text("\n".join(rows) + "\n")
+    training = results.ablation_training("hass_2stage")
+    assert (
+        training["global_step"] == 300 and training["tokens_seen"] == 3000 and training["fit_seconds"] == 2.0
+    )
+    assert training["curve"] == [[119, 0.3, 1.4], [239, 0.35, 1.5], [299, 0.37, 1.55]]

@@ -241,3 +241,28 @@ def test_fsdp_gradients_are_clipped_by_norm_through_the_fsdp_module(tiny_target)
         module._trainer = SimpleNamespace(model=module)  # not FSDP: Lightning's own
         module.configure_gradient_clipping(optimizer, 0.5, None)
         assert lightning.call_count == 2 and fsdp.clip_grad_norm_.call_count == 2
+
+
+def test_init_from_starts_from_a_trained_heads_weights_and_refuses_another_head(tmp_path):
+    """HASS's second stage starts from the first stage's weights: with a zero learning rate the
+    fine-tuned head IS the trained one (vocabulary maps included), while a fresh head is not; a
+    trained head of another kind or config is refused before training."""
+    common = ["experiment=eagle3", "debug=smoke", "head.config.draft_vocab_size=64"]
+    train(compose_train(tmp_path / "stage1", *common, "trainer.max_steps=2"))
+    trained = checkpoint(tmp_path / "stage1" / "checkpoints" / "last.ckpt")["state_dict"]
+    frozen = [*common, "trainer.max_steps=1", "optim.lr=0.0"]
+    init = f"init_from={tmp_path / 'stage1' / 'checkpoints' / 'last.ckpt'}"
+    train(compose_train(tmp_path / "stage2", *frozen, init))
+    started = checkpoint(tmp_path / "stage2" / "checkpoints" / "last.ckpt")["state_dict"]
+    train(compose_train(tmp_path / "fresh", *frozen))
+    fresh = checkpoint(tmp_path / "fresh" / "checkpoints" / "last.ckpt")["state_dict"]
+    assert started.keys() == trained.keys()
+    for name, tensor in trained.items():
+        torch.testing.assert_close(started[name], tensor, rtol=0, atol=0, msg=name)
+    assert any(not torch.equal(fresh[name], tensor) for name, tensor in trained.items())
+
+    with pytest.raises(ValueError, match=r"the trained head is eagle3, this run trains eagle"):
+        train(compose_train(tmp_path / "kind", "experiment=eagle", "debug=smoke", init))
+    with pytest.raises(ValueError, match=r"another config \(draft_vocab_size: 64 there, 32 here\)"):
+        train(compose_train(tmp_path / "config", *frozen[:2], "head.config.draft_vocab_size=32", init))
+    assert not (tmp_path / "kind" / "checkpoints").exists()

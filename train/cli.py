@@ -5,6 +5,8 @@
         datamodule.train_cache=outputs/features/smol-train datamodule.val_cache=outputs/features/smol-heldout
     specdraft-train experiment=medusa debug=smoke              # seconds, tiny target
     specdraft-train -m hparams_search=hass_loss_weights        # local sweep, one run dir per point
+    specdraft-train experiment=hass init_from=outputs/train/hass-align/checkpoints/last.ckpt \\
+        optim.lr=3.3e-4 trainer.max_steps=100 run_name=hass-topk   # fine-tune a trained head
 
 Re-running a command resumes its run dir (``${paths.log_dir}/train/${run_name}``) from
 ``checkpoints/last.ckpt`` when the config matches (``train.run_dir``). The run ends with
@@ -30,8 +32,9 @@ from specdraft.data.datamodule import FeatureDataModule
 from specdraft.data.errors import user_errors
 from specdraft.data.hardware import start
 from specdraft.data.target import Target, target_weights
+from specdraft.heads.formats import read_head
 from specdraft.heads.interface import DraftHead
-from specdraft.heads.registry import build_head, config_record
+from specdraft.heads.registry import build_head, config_record, head_from_state
 from specdraft.heads.vocab import draft_vocab_from_counts
 from specdraft.train.callbacks import ThroughputMonitor, peak_memory_bytes
 from specdraft.train.fused import DEFAULT_CHUNK_SIZE
@@ -65,6 +68,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     sources = {"conversations": instantiate(cfg.data.source)} if cfg.datamodule.mode == "online" else {}
     datamodule: FeatureDataModule = instantiate(cfg.datamodule)(target=target, **sources)
     head, record = build_training_head(cfg.head, target, datamodule)
+    if cfg.init_from and not resume_from:  # a resumed run's checkpoint holds the weights already
+        warm_start(head, record, cfg.init_from, target)
     check_features_for_head(head, datamodule)
     objective = build_objective(cfg.loss, target, datamodule)
     module = DraftHeadModule(
@@ -114,6 +119,32 @@ def build_training_head(head_cfg: DictConfig, target: Target, datamodule: Featur
     head.choose_vocabulary(datamodule.assistant_token_counts)
     record = {"kind": head.kind, "config": config_record(head), "target_spec": target.spec.to_dict()}
     return head, record
+
+
+def warm_start(head: DraftHead, record: dict[str, Any], path: str, target: Target) -> None:
+    """Start from the weights of the trained head at ``path`` (a training checkpoint or an export)
+    instead of fresh ones; the optimizer and the schedule start anew. It must be the head this run
+    builds: same kind, same config, same target shape (HASS's reference trains alignment first,
+    then adds Top-K distillation from those weights at a lower learning rate)."""
+    weights = target_weights(target)
+    trained = read_head(path, target.spec, target_lm_head=weights.lm_head)
+    if trained.kind != head.kind:
+        raise ValueError(f"init_from={path}: the trained head is {trained.kind}, this run trains {head.kind}")
+    # Its config as that head resolves it (defaults filled in), compared with this run's.
+    built = head_from_state(trained.kind, trained.config, trained.spec, weights, trained.state)
+    resolved = config_record(built)
+    differing = [
+        f"{key}: {resolved.get(key)!r} there, {value!r} here"
+        for key, value in record["config"].items()
+        if resolved.get(key) != value
+    ]
+    if differing:
+        raise ValueError(
+            f"init_from={path}: the trained {head.kind} head has another config ({'; '.join(differing)});"
+            " set head.config to its values"
+        )
+    head.load_state_dict(trained.state, strict=True)
+    log.info("starting from the weights of %s", path)
 
 
 def check_features_for_head(head: DraftHead, datamodule: FeatureDataModule) -> None:
