@@ -130,7 +130,7 @@ ABLATION = {
     "eagle3": ["experiment=eagle3"],
     "hass_eagle3": ["experiment=hass_eagle3"],
 }
-# HASS's reference (its train.sh) trains in two stages: the alignment alone (Top-K weight 0) for 40
+# HASS's reference training script trains in two stages: the alignment alone (Top-K weight 0) for 40
 # epochs, then 10 more with Top-K distillation added (weight 1) at a third of the learning rate
 # (1e-5 after 3e-5), from the first stage's weights. Here: head -> the ABLATION recipe of its first
 # stage, which takes the first 1 − TOPK_STAGE_FRACTION of the head's steps; the second stage
