@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import os
 import platform
 import re
@@ -125,17 +124,19 @@ ABLATION = {
     "hass_topk": ["experiment=hass", "loss.rollout.steps=1"],
     "hass_align": ["experiment=hass", "loss.weights.topk=0"],
     "hass_beta1": ["experiment=hass", "loss.rollout.step_weight_base=1.0"],
-    # HASS as its reference code trains it: the second stage of TWO_STAGE (Top-K added).
+    # HASS as its reference code trains it: the second stage (Top-K added), see FIRST_STAGE_RECIPE.
     "hass_2stage": ["experiment=hass"],
     "eagle3": ["experiment=eagle3"],
     "hass_eagle3": ["experiment=hass_eagle3"],
 }
 # HASS's reference training script trains in two stages: the alignment alone (Top-K weight 0) for 40
 # epochs, then 10 more with Top-K distillation added (weight 1) at a third of the learning rate
-# (1e-5 after 3e-5), from the first stage's weights. Here: head -> the ABLATION recipe of its first
-# stage, which takes the first 1 − TOPK_STAGE_FRACTION of the head's steps; the second stage
-# (init_from the first's final weights) the rest, so the head still sees the same tokens as the others.
-TWO_STAGE = {"hass_2stage": "hass_align"}
+# (1e-5 after 3e-5), from the first stage's weights. Here: head -> the ABLATION head whose recipe its
+# first stage follows for all but the last TOPK_STAGE_FRACTION of the steps (rounded to whole
+# checkpoint intervals); the second stage (init_from the first's final weights) takes the rest, so the
+# head takes as many steps as the others. Like the reference's restart, the second stage starts the
+# batch order anew: it re-reads the first batches rather than the last.
+FIRST_STAGE_RECIPE = {"hass_2stage": "hass_align"}
 TOPK_STAGE_FRACTION = 0.2  # 10 of 50 epochs
 TOPK_STAGE_LR_SCALE = 1 / 3  # 1e-5 / 3e-5
 FIRST_STAGE_SUFFIX = "_stage1"  # the first stage's run: RESULTS/train/<head><this>
@@ -255,7 +256,7 @@ def ablation_overrides(
     steps: int,
     features: Path,
     placement: Placement = Placement(),
-    recipe: list[str] | None = None,
+    recipe_of: str | None = None,
     lr_scale: float = 1.0,
     warmup: int = ABLATION_WARMUP,
 ) -> list[str]:
@@ -263,16 +264,19 @@ def ablation_overrides(
 
     Equal TOKENS, not time: every head takes ``steps`` optimiser steps over the same batches (same
     cache, batch size and seed), with the cosine decay ending at ``steps``, and its final weights
-    are benched. ``recipe`` (default ``ABLATION[name]``), ``lr_scale`` and ``warmup`` are set apart
-    for the stages of a TWO_STAGE head; last.ckpt is written at the final step whatever ``steps``."""
+    are benched. The stages of a two-stage head set apart ``recipe_of`` (the ABLATION head whose
+    overrides and vocabulary the run ``name`` takes; default ``name``), ``lr_scale`` and ``warmup``."""
+    recipe_of = recipe_of or name
+    if lr_scale != 1.0 and any(o.startswith("optim.lr=") for o in ABLATION[recipe_of]):
+        raise SystemExit(f"{recipe_of}: a scaled stage scales the default lr, not its recipe's")
     vocab = (
         f"head.config.draft_vocab_size={ABLATION_VOCAB}"
-        if name in OWN_VOCAB
+        if recipe_of in OWN_VOCAB
         else f"loss.draft_vocab_size={ABLATION_VOCAB}"
     )
     lr = [] if lr_scale == 1.0 else [f"optim.lr={default_lr() * lr_scale:.6g}"]
     return [
-        *(ABLATION[name] if recipe is None else recipe),
+        *ABLATION[recipe_of],
         vocab,
         *lr,
         f"run_name={name}",
@@ -290,8 +294,7 @@ def ablation_overrides(
         "trainer.limit_val_batches=1.0",
         f"scheduler.warmup_steps={warmup}",
         f"scheduler.total_steps={steps}",
-        # last.ckpt must hold the final step's weights: they are what the bench reads.
-        f"callbacks.last_checkpoint.every_n_train_steps={math.gcd(steps, ABLATION_CHECKPOINT_EVERY)}",
+        f"callbacks.last_checkpoint.every_n_train_steps={ABLATION_CHECKPOINT_EVERY}",
         "validate_at_end=true",
         "callbacks.progress.refresh_rate=0",
         *placement.training(),
@@ -307,27 +310,31 @@ def ablation(steps: int, features: Path | None, placement: Placement, heads: lis
     """Train every ABLATION head (or ``heads`` of them) for ``steps`` steps on the same features (a
     finished run is kept; a killed one resumes from its last checkpoint)."""
     if steps % ABLATION_CHECKPOINT_EVERY:
-        # A run's curve and resume points fall on the same steps for every head.
+        # last.ckpt must hold the final step's weights (what the bench reads), and every head's
+        # curve and resume points fall on the same steps (a two-stage head's stages too).
         raise SystemExit(f"--steps must be a multiple of {ABLATION_CHECKPOINT_EVERY}, got {steps}")
     features = features or quickstart_features()
     for name in heads or ABLATION:
         if (RESULTS / "train" / name / "summary.json").is_file():
             continue
-        if name in TWO_STAGE:
+        if name in FIRST_STAGE_RECIPE:
             train_two_stage(name, steps, features, placement)
         else:
             command("specdraft-train", *ablation_overrides(name, steps, features, placement))
 
 
 def train_two_stage(name: str, steps: int, features: Path, placement: Placement) -> None:
-    """A TWO_STAGE head: its first stage's recipe for the first steps, then its own recipe from
+    """A two-stage head: FIRST_STAGE_RECIPE[name]'s recipe for the first steps, then its own from
     those weights at TOPK_STAGE_LR_SCALE × the learning rate for the last TOPK_STAGE_FRACTION."""
-    second = round(steps * TOPK_STAGE_FRACTION)
+    interval = ABLATION_CHECKPOINT_EVERY
+    second = max(1, round(steps * TOPK_STAGE_FRACTION / interval)) * interval
+    if second >= steps:
+        raise SystemExit(f"{name}: {steps} steps leave no first stage (at least {2 * interval})")
     first_run = f"{name}{FIRST_STAGE_SUFFIX}"
     if not (RESULTS / "train" / first_run / "summary.json").is_file():
-        recipe = ABLATION[TWO_STAGE[name]]
+        recipe_of = FIRST_STAGE_RECIPE[name]
         command(
-            "specdraft-train", *ablation_overrides(first_run, steps - second, features, placement, recipe)
+            "specdraft-train", *ablation_overrides(first_run, steps - second, features, placement, recipe_of)
         )
     command(
         "specdraft-train",
@@ -337,7 +344,7 @@ def train_two_stage(name: str, steps: int, features: Path, placement: Placement)
             features,
             placement,
             lr_scale=TOPK_STAGE_LR_SCALE,
-            warmup=round(ABLATION_WARMUP * TOPK_STAGE_FRACTION),
+            warmup=round(ABLATION_WARMUP * second / steps),
         ),
         f"init_from={RESULTS / 'train' / first_run / 'checkpoints' / 'last.ckpt'}",
     )
@@ -727,13 +734,14 @@ def ablation_snapshot() -> dict | None:
 
 
 def ablation_training(name: str) -> dict:
-    """A trained ablation head's summary and held-out curve; a TWO_STAGE head's count both stages
+    """A trained ablation head's summary and held-out curve; a two-stage head's count both stages
     (steps, tokens and seconds added, the second stage's curve after the first's)."""
     run = RESULTS / "train" / name
     summary, curve = training_summary(run) or {}, val_curve(run)
     first = RESULTS / "train" / f"{name}{FIRST_STAGE_SUFFIX}"
-    if name in TWO_STAGE and (first / "summary.json").is_file():
+    if name in FIRST_STAGE_RECIPE and (first / "summary.json").is_file():
         before = training_summary(first) or {}
+        summary["stages"] = [before["global_step"], summary["global_step"]]
         for key in ("global_step", "tokens_seen", "fit_seconds"):
             summary[key] = before[key] + summary[key]
         curve = val_curve(first) + [[step + before["global_step"], *rest] for step, *rest in curve]
@@ -1093,7 +1101,15 @@ def ablation_section() -> list[str] | None:
         f"{setup['steps']} optimiser steps over the same batches (≤ {setup['batch_tokens']:,} tokens each, "
         f"same order), cosine decay to that step, one {setup['vocab']:,}-token vocabulary (EAGLE-1/2's "
         f"training vocabulary and the decoder's shortlist, EAGLE-3's own); {benched}"
-        + (f" Not trained yet: {', '.join(missing)}." if missing else ""),
+        + (f" Not trained yet: {', '.join(missing)}." if missing else "")
+        + "".join(
+            f" `{name}` trains as HASS's reference does: `{FIRST_STAGE_RECIPE[name]}`'s recipe for "
+            f"{run['stages'][0]} steps, then Top-K added from those weights for {run['stages'][1]} steps "
+            f"at {TOPK_STAGE_LR_SCALE:.2g}× the learning rate; like the reference's restart, its second "
+            "stage starts the batch order anew (it re-reads the first batches, not the last)."
+            for name, run in snapshot["training"].items()
+            if run.get("stages")
+        ),
         "",
         f"![held-out acc_1 and simulated τ during training]({ABLATION_CURVE_PNG})",
         "",
@@ -1867,7 +1883,12 @@ def main() -> None:
     )
     parser.add_argument("--stages", nargs="+", default=["ablation", "depth", "bench", "doc"])
     parser.add_argument("--steps", type=int, default=300, help="training steps of every ablation head")
-    parser.add_argument("--heads", nargs="+", choices=list(ABLATION), help="train only these ablation heads")
+    parser.add_argument(
+        "--heads",
+        nargs="+",
+        choices=list(ABLATION),
+        help="train only these ablation heads (the bench wants all)",
+    )
     parser.add_argument(
         "--features", type=Path, help="the ablation's feature caches (default: the quickstart's)"
     )

@@ -375,27 +375,27 @@ def test_the_two_stage_hass_head_trains_alignment_then_topk_from_its_weights_at_
     results, tmp_path: Path, monkeypatch
 ) -> None:
     """HASS's reference schedule: the first stage is hass_align's recipe, the second the head's own
-    from the first's final weights at a third of the learning rate; the steps add up to every other
-    head's, each stage checkpoints its final step, and the snapshot counts both stages."""
+    from the first's final weights at a third of the learning rate for the last fifth (in whole
+    checkpoint intervals); the steps add up to every other head's, and the snapshot counts both
+    stages on one step axis. A finished first stage is not trained again."""
     calls: list[list[str]] = []
     monkeypatch.setattr(results, "command", lambda name, *overrides: calls.append(list(overrides)))
     results.ablation(300, tmp_path / "features", results.Placement(), heads=["hass_2stage"])
     first, second = (compose_train(tmp_path / f"s{i}", *call) for i, call in enumerate(calls))
     assert first.loss.weights.topk == 0 and first.loss.rollout.steps == 3 and first.init_from is None
     assert second.loss.weights.topk == 1.0 and second.loss.rollout.steps == 3
-    assert first.trainer.max_steps + second.trainer.max_steps == 300
-    assert second.trainer.max_steps == 60 and second.scheduler.total_steps == 60
-    for cfg in (first, second):
-        assert cfg.trainer.max_steps % cfg.callbacks.last_checkpoint.every_n_train_steps == 0
-        assert cfg.loss.draft_vocab_size == results.ABLATION_VOCAB
-    assert second.init_from == str(
-        results.RESULTS / "train" / "hass_2stage_stage1" / "checkpoints" / "last.ckpt"
-    )
+    assert (first.trainer.max_steps, second.trainer.max_steps, second.scheduler.total_steps) == (250, 50, 50)
+    assert (first.scheduler.warmup_steps, second.scheduler.warmup_steps) == (results.ABLATION_WARMUP, 3)
+    # (compose_train moves every run's output dir to tmp_path; the script's runs go under its log dir)
+    assert first.paths.log_dir == str(results.RESULTS)
+    assert second.init_from == str(results.RESULTS / "train" / first.run_name / "checkpoints" / "last.ckpt")
     assert second.optim.lr == pytest.approx(first.optim.lr / 3, rel=1e-5)
+    for cfg in (first, second):
+        assert cfg.loss.draft_vocab_size == results.ABLATION_VOCAB
 
     for name, steps, rows in (
-        ("hass_2stage_stage1", 240, ["step,val/acc_1,val/sim_tau", "119,0.3,1.4", "239,0.35,1.5"]),
-        ("hass_2stage", 60, ["step,val/acc_1,val/sim_tau", "59,0.37,1.55"]),
+        ("hass_2stage_stage1", 250, ["step,val/acc_1,val/sim_tau", "199,0.3,1.4", "249,0.35,1.5"]),
+        ("hass_2stage", 50, ["step,val/acc_1,val/sim_tau", "24,0.36,1.52", "49,0.37,1.55"]),
     ):
         run = results.RESULTS / "train" / name
         summary = {"global_step": steps, "tokens_seen": steps * 10, "fit_seconds": 1.0, "best_sim_tau": 1.5}
@@ -403,7 +403,11 @@ def test_the_two_stage_hass_head_trains_alignment_then_topk_from_its_weights_at_
         (run / "csv" / "version_0").mkdir(parents=True)
         (run / "csv" / "version_0" / "metrics.csv").write_text("\n".join(rows) + "\n")
     training = results.ablation_training("hass_2stage")
-    assert (
-        training["global_step"] == 300 and training["tokens_seen"] == 3000 and training["fit_seconds"] == 2.0
-    )
-    assert training["curve"] == [[119, 0.3, 1.4], [239, 0.35, 1.5], [299, 0.37, 1.55]]
+    assert (training["global_step"], training["tokens_seen"], training["fit_seconds"]) == (300, 3000, 2.0)
+    assert training["curve"] == [[199, 0.3, 1.4], [249, 0.35, 1.5], [274, 0.36, 1.52], [299, 0.37, 1.55]]
+    assert training["stages"] == [250, 50]
+
+    calls.clear()
+    (results.RESULTS / "train" / "hass_2stage" / "summary.json").unlink()  # the second stage was killed
+    results.ablation(300, tmp_path / "features", results.Placement(), heads=["hass_2stage"])
+    assert len(calls) == 1 and any(o.startswith("init_from=") for o in calls[0])

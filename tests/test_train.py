@@ -245,12 +245,14 @@ def test_fsdp_gradients_are_clipped_by_norm_through_the_fsdp_module(tiny_target)
 
 def test_init_from_starts_from_a_trained_heads_weights_and_refuses_another_head(tmp_path):
     """HASS's second stage starts from the first stage's weights: with a zero learning rate the
-    fine-tuned head IS the trained one (vocabulary maps included), while a fresh head is not; a
-    trained head of another kind or config is refused before training."""
+    fine-tuned head IS the trained one, vocabulary maps included (its own data would choose other
+    maps), while a fresh head is not; a trained head of another kind, config or target layers is
+    refused before training."""
     common = ["experiment=eagle3", "debug=smoke", "head.config.draft_vocab_size=64"]
     train(compose_train(tmp_path / "stage1", *common, "trainer.max_steps=2"))
     trained = checkpoint(tmp_path / "stage1" / "checkpoints" / "last.ckpt")["state_dict"]
-    frozen = [*common, "trainer.max_steps=1", "optim.lr=0.0"]
+    # another split of the data: a fresh head chooses another vocabulary from it
+    frozen = [*common, "data.split_seed=1", "trainer.max_steps=1", "optim.lr=0.0"]
     init = f"init_from={tmp_path / 'stage1' / 'checkpoints' / 'last.ckpt'}"
     train(compose_train(tmp_path / "stage2", *frozen, init))
     started = checkpoint(tmp_path / "stage2" / "checkpoints" / "last.ckpt")["state_dict"]
@@ -259,10 +261,16 @@ def test_init_from_starts_from_a_trained_heads_weights_and_refuses_another_head(
     assert started.keys() == trained.keys()
     for name, tensor in trained.items():
         torch.testing.assert_close(started[name], tensor, rtol=0, atol=0, msg=name)
-    assert any(not torch.equal(fresh[name], tensor) for name, tensor in trained.items())
+    assert not torch.equal(fresh["head.d2t"], trained["head.d2t"])
+    assert not torch.equal(fresh["head.fc.weight"], trained["head.fc.weight"])
 
+    experiment_and_debug = common[:2]
     with pytest.raises(ValueError, match=r"the trained head is eagle3, this run trains eagle"):
         train(compose_train(tmp_path / "kind", "experiment=eagle", "debug=smoke", init))
-    with pytest.raises(ValueError, match=r"another config \(draft_vocab_size: 64 there, 32 here\)"):
-        train(compose_train(tmp_path / "config", *frozen[:2], "head.config.draft_vocab_size=32", init))
+    with pytest.raises(ValueError, match=r"differs from this run's \(draft_vocab_size: 64 there, 32 here\)"):
+        smaller = [*experiment_and_debug, "head.config.draft_vocab_size=32", init]
+        train(compose_train(tmp_path / "config", *smaller))
+    with pytest.raises(ValueError, match=r"target layers: \[1, 2, 3\] there, \[0, 1, 3\] here"):
+        layers = [*common, "target.aux_layer_ids=[0,1,3]", init]
+        train(compose_train(tmp_path / "layers", *layers))
     assert not (tmp_path / "kind" / "checkpoints").exists()

@@ -6,7 +6,7 @@
     specdraft-train experiment=medusa debug=smoke              # seconds, tiny target
     specdraft-train -m hparams_search=hass_loss_weights        # local sweep, one run dir per point
     specdraft-train experiment=hass init_from=outputs/train/hass-align/checkpoints/last.ckpt \\
-        optim.lr=3.3e-4 trainer.max_steps=100 run_name=hass-topk   # fine-tune a trained head
+        optim.lr=3.3e-4 trainer.max_steps=200 scheduler.warmup_steps=10 run_name=hass-topk  # fine-tune
 
 Re-running a command resumes its run dir (``${paths.log_dir}/train/${run_name}``) from
 ``checkpoints/last.ckpt`` when the config matches (``train.run_dir``). The run ends with
@@ -34,7 +34,7 @@ from specdraft.data.hardware import start
 from specdraft.data.target import Target, target_weights
 from specdraft.heads.formats import read_head
 from specdraft.heads.interface import DraftHead
-from specdraft.heads.registry import build_head, config_record, head_from_state
+from specdraft.heads.registry import build_head, config_record
 from specdraft.heads.vocab import draft_vocab_from_counts
 from specdraft.train.callbacks import ThroughputMonitor, peak_memory_bytes
 from specdraft.train.fused import DEFAULT_CHUNK_SIZE
@@ -124,24 +124,26 @@ def build_training_head(head_cfg: DictConfig, target: Target, datamodule: Featur
 def warm_start(head: DraftHead, record: dict[str, Any], path: str, target: Target) -> None:
     """Start from the weights of the trained head at ``path`` (a training checkpoint or an export)
     instead of fresh ones; the optimizer and the schedule start anew. It must be the head this run
-    builds: same kind, same config, same target shape (HASS's reference trains alignment first,
-    then adds Top-K distillation from those weights at a lower learning rate)."""
+    builds: same kind, same config, same target shape and target layers (HASS's reference trains
+    the alignment first, then adds Top-K distillation from those weights at a lower learning rate)."""
     weights = target_weights(target)
     trained = read_head(path, target.spec, target_lm_head=weights.lm_head)
     if trained.kind != head.kind:
         raise ValueError(f"init_from={path}: the trained head is {trained.kind}, this run trains {head.kind}")
     # Its config as that head resolves it (defaults filled in), compared with this run's.
-    built = head_from_state(trained.kind, trained.config, trained.spec, weights, trained.state)
+    built = build_head(trained.kind, trained.config, trained.spec, weights)
     resolved = config_record(built)
     differing = [
         f"{key}: {resolved.get(key)!r} there, {value!r} here"
         for key, value in record["config"].items()
         if resolved.get(key) != value
     ]
+    if tuple(built.target_taps) != tuple(head.target_taps):
+        differing.append(f"target layers: {list(built.target_taps)} there, {list(head.target_taps)} here")
     if differing:
         raise ValueError(
-            f"init_from={path}: the trained {head.kind} head has another config ({'; '.join(differing)});"
-            " set head.config to its values"
+            f"init_from={path}: the trained {head.kind} head differs from this run's "
+            f"({'; '.join(differing)}); set head.config (and target.aux_layer_ids) to its values"
         )
     head.load_state_dict(trained.state, strict=True)
     log.info("starting from the weights of %s", path)
