@@ -143,6 +143,10 @@ class TokenizedDataset(Dataset):
     def lengths(self) -> list[int]:
         return [len(s.input_ids) for s in self.samples]
 
+    @property
+    def sample_ids(self) -> list[str]:
+        return [s.id for s in self.samples]
+
 
 class FeatureDataModule(L.LightningDataModule):
     """Training / held-out FeatureBatches, ``cached`` or ``online``, for ``target``.

@@ -120,20 +120,26 @@ def paired_bootstrap(
     whole = counts.sum(dim=0)
     tau, tau_reference = whole[0] / whole[1], whole[2] / whole[3]
     resampled_tau, resampled_reference = drawn[:, 0] / drawn[:, 1], drawn[:, 2] / drawn[:, 3]
-    tail = (1 - confidence) / 2
-    quantiles = torch.tensor([tail, 1 - tail], dtype=torch.float64)
-
-    def interval(estimate: torch.Tensor, resampled: torch.Tensor) -> dict[str, float]:
-        low, high = torch.quantile(resampled, quantiles).tolist()
-        return {"estimate": float(estimate), "low": low, "high": high}
-
     return {
         "prompts": len(paired),
         "tau": float(tau),
         "tau_reference": float(tau_reference),
-        "difference": interval(tau - tau_reference, resampled_tau - resampled_reference),
-        "ratio": interval(tau / tau_reference, resampled_tau / resampled_reference),
+        "difference": percentile_interval(
+            tau - tau_reference, resampled_tau - resampled_reference, confidence
+        ),
+        "ratio": percentile_interval(tau / tau_reference, resampled_tau / resampled_reference, confidence),
     }
+
+
+def percentile_interval(
+    estimate: torch.Tensor | float, resampled: torch.Tensor, confidence: float = CONFIDENCE
+) -> dict[str, float]:
+    """``{"estimate", "low", "high"}``: the estimate on the whole sample and the central
+    ``confidence`` percentile interval of its bootstrap resamples (``resampled``: R values)."""
+    tail = (1 - confidence) / 2
+    quantiles = torch.tensor([tail, 1 - tail], dtype=resampled.dtype)
+    low, high = torch.quantile(resampled, quantiles).tolist()
+    return {"estimate": float(estimate), "low": low, "high": high}
 
 
 def lossless_check(records: Sequence[dict[str, Any]], plain: Sequence[dict[str, Any]]) -> dict[str, Any]:

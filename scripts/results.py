@@ -73,6 +73,7 @@ from specdraft.data.atomic import write_bytes_atomic, write_json_atomic
 from specdraft.eval.bench import machine_info, read_records
 from specdraft.eval.report import CONFIDENCE, paired_bootstrap, summarize
 from specdraft.train.budget import clock
+from specdraft.train.depth_acceptance import paired_chain_bootstrap
 from specdraft.train.sweep_report import plot as plot_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -407,13 +408,14 @@ def training_vocab_shortlist(cache: Path) -> list[str]:
 def depth(depth_steps: int = DEPTH_STEPS) -> None:
     """Chain acceptance per depth, own features vs the target's, of every trained ablation head
     on the held-out cache (specdraft-depth-acceptance), merged into RESULTS/DEPTH_JSON: a head
-    measured already is not measured again."""
+    measured already (with the per-conversation counts its interval needs) is not measured again."""
     path = RESULTS / DEPTH_JSON
     measured = read_json(path) or {"runs": {}}
     runs = [
         name
         for name in ABLATION
-        if (RESULTS / "train" / name / "summary.json").is_file() and name not in measured["runs"]
+        if (RESULTS / "train" / name / "summary.json").is_file()
+        and "conversations" not in measured["runs"].get(name, {})
     ]
     if not runs:
         print("depth: every trained ablation head is measured already")
@@ -680,11 +682,7 @@ def ablation_snapshot() -> dict | None:
     out_dir = RESULTS / "bench" / ABLATION_BENCH
     report = read_json(out_dir / "report.json") or {}
     records = read_records(out_dir) if report else []
-    depth = read_json(RESULTS / DEPTH_JSON)
-    for run in (depth or {}).get("runs", {}).values():  # no local paths in a committed snapshot
-        for key in ("checkpoint", "val_cache"):
-            if run.get(key):
-                run[key] = Path(run[key]).name
+    depth = depth_snapshot(read_json(RESULTS / DEPTH_JSON))
     reference = f"{ABLATION_REFERENCE}_tree"
     results: dict = {}
     for temperature in sorted({r["temperature"] for r in records}):
@@ -731,6 +729,32 @@ def ablation_snapshot() -> dict | None:
         "results": results,
         "depth": depth,
     }
+
+
+def depth_snapshot(depth: dict | None) -> dict | None:
+    """The depth measurement as committed: each head's chain τ (own features) against EAGLE-2's
+    with an interval paired by held-out conversation, in place of the per-conversation counts it
+    rests on; no local paths."""
+    if depth is None:
+        return None
+    reference = depth["runs"].get(ABLATION_REFERENCE)
+    for name, run in depth["runs"].items():
+        for key in ("checkpoint", "val_cache"):
+            if run.get(key):
+                run[key] = Path(run[key]).name
+        if (
+            name != ABLATION_REFERENCE
+            and reference
+            and "conversations" in run
+            and "conversations" in reference
+        ):
+            run["against_reference"] = paired_chain_bootstrap(run, reference)
+    for run in depth["runs"].values():
+        run.pop("conversations", None)
+        for source in ("own_features", "target_features"):
+            for key in ("attempts_per_conversation", "accepted_per_conversation"):
+                run[source].pop(key, None)
+    return depth
 
 
 def ablation_training(name: str) -> dict:
@@ -1172,17 +1196,42 @@ def ablation_section() -> list[str] | None:
             "the target's (as plain EAGLE training assumes); gap = target − own.",
             "",
             f"| head | α own features d1..d{depth['depth']} | α target features d1..d{depth['depth']} "
-            f"| gap d2..d{depth['depth']} | chain τ own / target |",
-            "|---|---|---|---|---|",
+            f"| gap d2..d{depth['depth']} | chain τ own / target | own chain τ ÷ EAGLE-2 "
+            f"[{CONFIDENCE:.0%} CI] |",
+            "|---|---|---|---|---|---|",
         ]
         for name in (name for name in ABLATION if name in depth["runs"]):
             run = depth["runs"][name]
             own, target = run["own_features"], run["target_features"]
+            versus = run.get("against_reference")
+            ratio = (
+                "{estimate:.3f} [{low:.3f}, {high:.3f}]".format(**versus["ratio"])
+                if versus
+                else "1 (reference)"
+                if name == ABLATION_REFERENCE
+                else "–"
+            )
             lines.append(
                 f"| {name} | {rates(own['acceptance_per_depth'])} "
                 f"| {rates(target['acceptance_per_depth'])} | "
-                f"{rates(run['gap_per_depth'][1:])} | {own['chain_tau']:.3f} / {target['chain_tau']:.3f} |"
+                f"{rates(run['gap_per_depth'][1:])} | {own['chain_tau']:.3f} / {target['chain_tau']:.3f} "
+                f"| {ratio} |"
             )
+        conversations = next(
+            (
+                run["against_reference"]["conversations"]
+                for run in depth["runs"].values()
+                if "against_reference" in run
+            ),
+            None,
+        )
+        if conversations:
+            lines += [
+                "",
+                f"Intervals: {CONFIDENCE:.0%} percentile bootstrap over the {conversations} held-out "
+                "conversations, paired with EAGLE-2 (each resample sums both heads' chain counts over "
+                "the drawn conversations and recomputes α per depth and chain τ from the sums).",
+            ]
     return [*lines, ""]
 
 

@@ -4,14 +4,20 @@ runs them (tests/test_rollout.py's ``decode_steps``)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from conftest import compose_train
 
 from specdraft.data.features import FeatureBatch
 from specdraft.data.target import target_weights
 from specdraft.heads import Eagle3Config, Eagle3Head, EagleHead
 from specdraft.heads.rollout import rollout
-from specdraft.train.depth_acceptance import batch_counts, chain_counts, summarise
+from specdraft.train import depth_acceptance
+from specdraft.train.cli import train
+from specdraft.train.depth_acceptance import batch_counts, chain_counts, paired_chain_bootstrap, summarise
+from specdraft.train.objective import simulated_tau
 from tests.test_rollout import decode_steps
 
 
@@ -27,14 +33,21 @@ def test_chain_counts_by_hand():
     ).unsqueeze(1)
     valid = torch.tensor([[1, 1, 1, 1, 1, 0]], dtype=torch.bool)  # the last position is not supervised
     fed_ok = torch.tensor([[1, 1, 1, 0, 1, 1]], dtype=torch.bool)  # position 3's successor is off-greedy
+    # A second sequence, the same but never right: its chains stop at depth 1, and stay its own.
+    both = chain_counts(
+        torch.cat([right, torch.zeros_like(right)], dim=1), valid.repeat(2, 1), fed_ok.repeat(2, 1)
+    )
+    assert both.attempts.tolist() == [[5, 2, 2], [5, 0, 0]]
+    assert both.accepted.tolist() == [[4, 2, 1], [0, 0, 0]]
+    assert both.acceptance() == [0.4, 1.0, 0.5]
     counts = chain_counts(right, valid, fed_ok)
     # depth 1: anchors 0..4 valid; right at 0, 1, 3, 4.
     # depth 2 (step 2 at a+1): reachable a ∈ {0, 1, 2} (a+1 valid, fed_ok at a; a=3: fed_ok false,
     #   a=4: a+1 invalid); of those right at depth 1: 0, 1; step 2 right at 1 (a=0), 2 (a=1).
     # depth 3 (step 3 at a+2): reachable a ∈ {0, 1} (fed_ok at a+1 ∈ {1, 2}; a=2 needs fed_ok at 3);
     #   through depth 2: 0, 1; step 3 right at a+2 = 2 (a=0) only.
-    assert counts.attempts.tolist() == [5, 2, 2]
-    assert counts.accepted.tolist() == [4, 2, 1]
+    assert counts.attempts.tolist() == [[5, 2, 2]]
+    assert counts.accepted.tolist() == [[4, 2, 1]]
     assert counts.acceptance() == [0.8, 1.0, 0.5]
     summary = summarise(counts, chain_counts(right[:1].expand(3, -1, -1), valid, fed_ok))
     # Target features: step 1 at a+j−1. depth 2: a ∈ {0, 1, 2}, right at a: 0, 1 -> right at a+1: 1, 2
@@ -127,11 +140,11 @@ def test_batch_counts_equal_a_chain_decoded_per_anchor(tiny_target, kind):
     fed = torch.cat([input_ids[0, 2:], torch.zeros(2, dtype=torch.long)])
     fed_ok = fed == wanted
     ref_own, ref_target = _reference_counts(head, batch, depth, wanted, valid, fed_ok, vocab)
-    assert own.attempts.tolist() == ref_own[0].tolist()
-    assert own.accepted.tolist() == ref_own[1].tolist()
-    assert target.attempts.tolist() == ref_target[0].tolist()
-    assert target.accepted.tolist() == ref_target[1].tolist()
-    assert own.accepted[-1] >= 1  # some chain went all the way: the test exercised every depth
+    assert own.attempts.tolist() == [ref_own[0].tolist()]
+    assert own.accepted.tolist() == [ref_own[1].tolist()]
+    assert target.attempts.tolist() == [ref_target[0].tolist()]
+    assert target.accepted.tolist() == [ref_target[1].tolist()]
+    assert own.accepted[0, -1] >= 1  # some chain went all the way: the test exercised every depth
 
 
 def test_a_batch_without_supervised_positions_counts_nothing(tiny_target):
@@ -140,5 +153,67 @@ def test_a_batch_without_supervised_positions_counts_nothing(tiny_target):
     hidden = torch.randn(1, 6, tiny_target.spec.hidden_size)
     batch = FeatureBatch(ids, torch.ones_like(ids), torch.zeros_like(ids), hidden)  # a prompt only
     own, target = batch_counts(head, batch, depth=3)
-    assert own.attempts.tolist() == [0, 0, 0] and target.accepted.tolist() == [0, 0, 0]
+    assert own.attempts.tolist() == [[0, 0, 0]] and target.accepted.tolist() == [[0, 0, 0]]
     assert own.acceptance() == [None, None, None]
+
+
+def _measured(name, conversations, attempts, accepted):
+    """A measure_run result with own-feature counts per conversation (C×D)."""
+    return {
+        "run": name,
+        "conversations": conversations,
+        "own_features": {"attempts_per_conversation": attempts, "accepted_per_conversation": accepted},
+    }
+
+
+def test_paired_chain_bootstrap_pairs_by_conversation_and_recomputes_tau_from_the_sums():
+    reference = _measured("eagle", ["a", "b", "c"], [[10, 4], [8, 2], [6, 3]], [[4, 2], [2, 1], [3, 0]])
+    # The same head measured in another row order, plus a conversation the reference lacks.
+    same = _measured(
+        "again", ["c", "x", "a", "b"], [[6, 3], [9, 9], [10, 4], [8, 2]], [[3, 0], [9, 9], [4, 2], [2, 1]]
+    )
+    result = paired_chain_bootstrap(same, reference, samples=500)
+    assert result["conversations"] == 3
+    # Whole sample: α1 = 9/24, α2 = 3/9 -> τ = 1 + 9/24 + 9/24 · 3/9 (not a mean of per-conversation τ).
+    assert result["chain_tau"] == pytest.approx(simulated_tau([9 / 24, 3 / 9]))
+    assert result["chain_tau"] == pytest.approx(result["chain_tau_reference"])
+    assert result["difference"] == {"estimate": 0.0, "low": 0.0, "high": 0.0}  # every resample pairs
+    assert result["ratio"]["low"] == pytest.approx(1.0) and result["ratio"]["high"] == pytest.approx(1.0)
+
+    # A head that accepts one more depth-1 draft in every conversation: its interval excludes 0.
+    better = _measured("better", ["a", "b", "c"], [[10, 5], [8, 3], [6, 4]], [[5, 2], [3, 1], [4, 0]])
+    versus = paired_chain_bootstrap(better, reference, samples=500)
+    assert versus["difference"]["estimate"] == pytest.approx(
+        simulated_tau([12 / 24, 3 / 12]) - simulated_tau([9 / 24, 3 / 9])
+    )
+    assert 0 < versus["difference"]["low"] <= versus["difference"]["estimate"] <= versus["difference"]["high"]
+    assert versus == paired_chain_bootstrap(better, reference, samples=500)  # seeded
+
+    with pytest.raises(ValueError, match="share no held-out conversation"):
+        paired_chain_bootstrap(_measured("other", ["z"], [[1, 0]], [[1, 0]]), reference)
+    with pytest.raises(ValueError, match="no per-conversation counts"):
+        paired_chain_bootstrap({"run": "old", "own_features": {}}, reference)
+
+
+def test_the_cli_keeps_counts_per_heldout_conversation(tmp_path, caplog):
+    runs = []
+    for name, steps in (("first", 1), ("second", 2)):
+        cfg = compose_train(tmp_path / name, "experiment=eagle", "debug=smoke", f"trainer.max_steps={steps}")
+        train(cfg)
+        runs.append(tmp_path / name)
+    out = tmp_path / "depth.json"
+    with caplog.at_level("INFO"):
+        depth_acceptance.main([*map(str, runs), "--depth=2", f"--out={out}"])
+    measured = json.loads(out.read_text())["runs"]
+    first, second = measured["first"], measured["second"]
+    # Every held-out conversation once, the same ones for both runs (one split).
+    assert len(set(first["conversations"])) == len(first["conversations"]) > 1
+    assert sorted(first["conversations"]) == sorted(second["conversations"])
+    for run in (first, second):
+        for source in ("own_features", "target_features"):
+            counts = run[source]
+            assert len(counts["attempts_per_conversation"]) == len(run["conversations"])
+            assert torch.tensor(counts["attempts_per_conversation"]).sum(0).tolist() == counts["attempts"]
+            assert torch.tensor(counts["accepted_per_conversation"]).sum(0).tolist() == counts["accepted"]
+        assert run["own_features"]["attempts"][0] > 0
+    assert "second: own-feature chain τ ÷ first's" in caplog.text

@@ -98,13 +98,31 @@ def fake_ablation_outputs(results) -> None:
             "124,,0.36,1.5",
         ]
         metrics.write_text("\n".join(rows) + "\n")
-    depth = {
-        "checkpoint": str(results.RESULTS / "train" / "eagle" / "checkpoints" / "last.ckpt"),
-        "own_features": {"acceptance_per_depth": [0.36, 0.35, 0.27, None], "chain_tau": 1.55},
-        "target_features": {"acceptance_per_depth": [0.36, 0.45, 0.38, None], "chain_tau": 1.62},
-        "gap_per_depth": [0.0, 0.1, 0.11, None],
-    }
-    write(results.RESULTS / results.DEPTH_JSON, {"depth": 4, "runs": {"eagle": depth}})
+
+    def measured(name: str, accepted: list[list[int]]) -> dict:
+        """A depth measurement over two held-out conversations (depth 2 shown, chains of 10 / 5)."""
+        per_conversation = {
+            "attempts_per_conversation": [[10, 4], [5, 2]],
+            "accepted_per_conversation": accepted,
+        }
+        return {
+            "checkpoint": str(results.RESULTS / "train" / name / "checkpoints" / "last.ckpt"),
+            "conversations": ["c1", "c2"],
+            "own_features": {
+                "acceptance_per_depth": [0.36, 0.35, 0.27, None],
+                "chain_tau": 1.55,
+                **per_conversation,
+            },
+            "target_features": {
+                "acceptance_per_depth": [0.36, 0.45, 0.38, None],
+                "chain_tau": 1.62,
+                **per_conversation,
+            },
+            "gap_per_depth": [0.0, 0.1, 0.11, None],
+        }
+
+    runs = {"eagle": measured("eagle", [[4, 2], [2, 1]]), "hass": measured("hass", [[4, 3], [2, 2]])}
+    write(results.RESULTS / results.DEPTH_JSON, {"depth": 4, "runs": runs})
 
 
 def test_doc_renders_from_snapshots_and_keeps_what_it_cannot_reread(results, tmp_path: Path) -> None:
@@ -132,7 +150,17 @@ def test_doc_renders_from_snapshots_and_keeps_what_it_cannot_reread(results, tmp
         in text
     )
     own, target = "0.360 / 0.350 / 0.270 / –", "0.360 / 0.450 / 0.380 / –"
-    assert f"| eagle | {own} | {target} | 0.100 / 0.110 / – | 1.550 / 1.620 |" in text
+    assert f"| eagle | {own} | {target} | 0.100 / 0.110 / – | 1.550 / 1.620 | 1 (reference) |" in text
+    # own chain τ from the per-conversation counts: EAGLE 1 + 6/15 + 6/15 · 3/6 = 1.6, HASS 1.733
+    # (it accepts more at depth 2 in both conversations, so every resample agrees)
+    versus = snapshot["depth"]["runs"]["hass"]["against_reference"]
+    assert versus["conversations"] == 2 and versus["chain_tau_reference"] == pytest.approx(1.6)
+    assert f"1.550 / 1.620 | {versus['ratio']['estimate']:.3f} [" in text
+    assert versus["ratio"]["estimate"] == pytest.approx((1 + 0.4 + 0.4 * 5 / 6) / 1.6)
+    assert versus["ratio"]["low"] > 1
+    assert "bootstrap over the 2 held-out conversations" in text
+    for run in snapshot["depth"]["runs"].values():  # the counts the interval rests on stay local
+        assert "conversations" not in run and "attempts_per_conversation" not in run["own_features"]
     assert measured_earlier in text  # no snapshot for the quickstart: its section is kept as it was
     assert "_Not run yet: `python scripts/results.py --stages curve doc`._" in text
 
@@ -150,7 +178,7 @@ def test_ablation_section_before_its_bench_shows_training_and_the_mechanism(resu
     results.doc()
     text = (tmp_path / "docs" / "results.md").read_text()
     assert "Machine: 2026-11-24, AMD EPYC (avx2)" in text  # the depth measurement's
-    assert "not benched yet (`--stages bench`)" in text and "τ ÷ EAGLE-2" not in text
+    assert "not benched yet (`--stages bench`)" in text and "| head | τ | α per depth |" not in text
     assert "Not trained yet: hass_topk, hass_align, hass_beta1, hass_2stage, eagle3, hass_eagle3." in text
     assert "| hass | 300 | 1,105,999 |" in text and "| eagle | 0.360 / 0.350" in text
 

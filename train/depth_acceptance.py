@@ -3,6 +3,8 @@ at decode time, it reads its OWN features: the gap HASS's context alignment is m
 
     specdraft-depth-acceptance outputs/results/train/eagle outputs/results/train/hass --out depth.json
 
+(with several runs, each one's chain τ is also logged against the first's, with its interval)
+
 For every held-out chain start (anchor) a, a greedy chain of ``depth`` drafts is simulated along
 the held-out continuation, two ways:
 
@@ -22,13 +24,16 @@ quickstart's self-distilled greedy answers, nearly all of them).
 
 Each run dir is measured on its own held-out cache (``run_config.yaml``), with its own drafting
 vocabulary (EAGLE-3's; a reduced training vocabulary ``loss.draft_vocab_size``, which is the
-decoder's shortlist), from ``checkpoints/last.ckpt`` (the final weights) by default.
+decoder's shortlist), from ``checkpoints/last.ckpt`` (the final weights) by default. The counts are
+kept per held-out conversation (by sample id), so that :func:`paired_chain_bootstrap` can put a
+confidence interval on one head's chain τ against another's measured on the same conversations.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +50,7 @@ from specdraft.data.features import FeatureBatch
 from specdraft.data.hardware import start
 from specdraft.eval.bench import machine_info
 from specdraft.eval.load import load_head
+from specdraft.eval.report import BOOTSTRAP_SAMPLES, CONFIDENCE, percentile_interval
 from specdraft.heads import FeatureHead
 from specdraft.heads.interface import shift_left
 from specdraft.heads.rollout import rollout
@@ -66,20 +72,24 @@ def shifted(x: Tensor, offset: int) -> Tensor:
 
 @dataclass
 class ChainCounts:
-    """attempts[j−1]: chains that reached depth j; accepted[j−1]: those whose step j was right."""
+    """Per sequence s (a held-out conversation) and depth j, both S×D long: attempts[s, j−1] chains
+    of s that reached depth j; accepted[s, j−1] those whose step j was right."""
 
     attempts: Tensor
     accepted: Tensor
 
-    def __add__(self, other: ChainCounts) -> ChainCounts:
-        return ChainCounts(self.attempts + other.attempts, self.accepted + other.accepted)
+    @staticmethod
+    def cat(parts: Sequence[ChainCounts]) -> ChainCounts:
+        return ChainCounts(torch.cat([p.attempts for p in parts]), torch.cat([p.accepted for p in parts]))
 
     def acceptance(self) -> list[float | None]:
-        return [float(a) / float(n) if n else None for a, n in zip(self.accepted, self.attempts, strict=True)]
+        """α_j over all sequences (None where no chain reached depth j)."""
+        attempts, accepted = self.attempts.sum(0), self.accepted.sum(0)
+        return [float(a) / float(n) if n else None for a, n in zip(accepted, attempts, strict=True)]
 
 
 def chain_counts(right: Tensor, valid: Tensor, fed_ok: Tensor) -> ChainCounts:
-    """Greedy chains from every anchor a.
+    """Greedy chains from every anchor a, counted per sequence (row).
 
     right   D×B×T bool  step j (row j−1) at position p drafted the target's argmax for p+1
     valid   B×T  bool   position p is supervised (its next token is an assistant token)
@@ -95,10 +105,10 @@ def chain_counts(right: Tensor, valid: Tensor, fed_ok: Tensor) -> ChainCounts:
         reachable = reachable & shifted(valid, j - 1)
         if j > 1:
             reachable = reachable & shifted(fed_ok, j - 2)
-        attempts.append((reachable & through).sum())
+        attempts.append((reachable & through).sum(-1))
         through = through & shifted(right[j - 1], j - 1)
-        accepted.append((reachable & through).sum())
-    return ChainCounts(torch.stack(attempts), torch.stack(accepted))
+        accepted.append((reachable & through).sum(-1))
+    return ChainCounts(torch.stack(attempts, dim=-1), torch.stack(accepted, dim=-1))
 
 
 @torch.no_grad()
@@ -152,16 +162,19 @@ def batch_counts(
 
 
 def summarise(own: ChainCounts, target: ChainCounts) -> dict[str, Any]:
-    """Per feature source: acceptance per depth, its counts and the chain τ; and the gap per depth
-    (target-feature acceptance − own-feature acceptance)."""
+    """Per feature source: acceptance per depth, its counts and the chain τ, and the counts per
+    sequence (S×D lists, in ``own``'s row order); and the gap per depth (target-feature acceptance
+    − own-feature acceptance)."""
     result: dict[str, Any] = {}
     for name, counts in (("own_features", own), ("target_features", target)):
         acceptance = counts.acceptance()
         result[name] = {
             "acceptance_per_depth": acceptance,
-            "attempts": [int(n) for n in counts.attempts],
-            "accepted": [int(a) for a in counts.accepted],
+            "attempts": counts.attempts.sum(0).tolist(),
+            "accepted": counts.accepted.sum(0).tolist(),
             "chain_tau": simulated_tau([a or 0.0 for a in acceptance]),
+            "attempts_per_conversation": counts.attempts.tolist(),
+            "accepted_per_conversation": counts.accepted.tolist(),
         }
     result["gap_per_depth"] = [
         t - o if t is not None and o is not None else None
@@ -194,23 +207,80 @@ def measure_run(run_dir: Path, checkpoint: Path | None, depth: int) -> dict[str,
             f"{run_dir}: a {type(head).__name__} reads no features of its own (EAGLE-kind heads only)"
         )
     vocab = build_objective(cfg.loss, target, datamodule).draft_vocab
-    own = target_counts = None
-    for batch in tqdm(datamodule.val_dataloader(), desc=run_dir.name, unit="batch"):
+    loader = datamodule.val_dataloader()
+    # The loader's rows in order (it does not shuffle held-out data): each row's conversation.
+    sample_ids = loader.dataset.sample_ids
+    conversations = [sample_ids[index] for rows in loader.batch_sampler for index in rows]
+    own, target_counts = [], []
+    for batch in tqdm(loader, desc=run_dir.name, unit="batch"):
         batch = datamodule.features_for(batch.to(target.device), training=False)
         for name in ("hidden", "aux", "input_hidden"):
             value = getattr(batch, name)
             if value is not None:
                 setattr(batch, name, value.float())
         batch_own, batch_target = batch_counts(head, batch, depth, vocab)
-        own = batch_own if own is None else own + batch_own
-        target_counts = batch_target if target_counts is None else target_counts + batch_target
-    if own is None:
+        own.append(batch_own)
+        target_counts.append(batch_target)
+    if not own:
         raise SystemExit(f"{run_dir}: its validation split ({cfg.datamodule.get('val_cache')}) has no batch")
     return {
         "run": run_dir.name,
         "checkpoint": str(checkpoint),
         "val_cache": cfg.datamodule.get("val_cache"),
-        **summarise(own, target_counts),
+        "conversations": conversations,
+        **summarise(ChainCounts.cat(own), ChainCounts.cat(target_counts)),
+    }
+
+
+def paired_chain_bootstrap(
+    run: dict[str, Any],
+    reference: dict[str, Any],
+    source: str = "own_features",
+    samples: int = BOOTSTRAP_SAMPLES,
+    seed: int = 0,
+    confidence: float = CONFIDENCE,
+) -> dict[str, Any]:
+    """Chain τ of ``run`` against ``reference`` (two :func:`measure_run` results) on the held-out
+    conversations both were measured on, with percentile-bootstrap intervals paired by conversation.
+
+    Each resample draws conversations with replacement, sums both heads' counts over them and
+    recomputes α per depth and chain τ from the sums, as the whole-sample τ is computed (a depth no
+    resampled chain reached adds nothing). Returns ``{"conversations", "chain_tau",
+    "chain_tau_reference", "difference", "ratio"}``, the last two ``{"estimate", "low", "high"}``."""
+    for name, measured in (("run", run), ("reference", reference)):
+        if "conversations" not in measured:
+            raise ValueError(
+                f"{name} {measured.get('run')!r} has no per-conversation counts "
+                "(measured before they were kept: measure it again)"
+            )
+    rows = {conversation: i for i, conversation in enumerate(reference["conversations"])}
+    shared = [(i, rows[c]) for i, c in enumerate(run["conversations"]) if c in rows]
+    if not shared:
+        raise ValueError(f"{run.get('run')!r} and {reference.get('run')!r} share no held-out conversation")
+    mine, theirs = (torch.tensor(index) for index in zip(*shared, strict=True))
+
+    def counts(measured: dict[str, Any], index: Tensor) -> Tensor:  # N×2×D: attempts, accepted
+        by_source = measured[source]
+        per_row = [by_source["attempts_per_conversation"], by_source["accepted_per_conversation"]]
+        return torch.tensor(per_row, dtype=torch.float64)[:, index].transpose(0, 1)
+
+    paired = torch.stack([counts(run, mine), counts(reference, theirs)], dim=1)  # N×2(heads)×2×D
+    generator = torch.Generator().manual_seed(seed)
+    drawn = paired[torch.randint(len(shared), (samples, len(shared)), generator=generator)].sum(dim=1)
+
+    def chain_tau(totals: Tensor) -> Tensor:  # …×2×D -> …
+        attempts, accepted = totals.unbind(-2)
+        alpha = torch.where(attempts > 0, accepted / attempts.clamp(min=1), 0.0)
+        return 1 + alpha.cumprod(-1).sum(-1)
+
+    tau, tau_reference = chain_tau(paired.sum(dim=0)).unbind(-1)
+    resampled, resampled_reference = chain_tau(drawn).unbind(-1)
+    return {
+        "conversations": len(shared),
+        "chain_tau": float(tau),
+        "chain_tau_reference": float(tau_reference),
+        "difference": percentile_interval(tau - tau_reference, resampled - resampled_reference, confidence),
+        "ratio": percentile_interval(tau / tau_reference, resampled / resampled_reference, confidence),
     }
 
 
@@ -241,6 +311,19 @@ def main(argv: list[str] | None = None) -> None:
             [round(a, 3) if a is not None else None for a in target["acceptance_per_depth"]],
         )
     write_json_atomic(args.out, {"depth": args.depth, "machine": machine_info(), "runs": results})
+    first, *others = results.values()
+    for run in others:
+        if set(run["conversations"]) & set(first["conversations"]):
+            ratio = paired_chain_bootstrap(run, first)["ratio"]
+            log.info(
+                "%s: own-feature chain τ ÷ %s's %.3f [%.3f, %.3f] (%.0f %% bootstrap over conversations)",
+                run["run"],
+                first["run"],
+                ratio["estimate"],
+                ratio["low"],
+                ratio["high"],
+                100 * CONFIDENCE,
+            )
 
 
 if __name__ == "__main__":
