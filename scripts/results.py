@@ -559,6 +559,11 @@ def doc(decoder_provenance: str | None = None) -> None:
             "python scripts/results.py --stages decoder doc --decoder-checkpoint <head>",
         ),
         (
+            DECODER_BF16_TITLE,
+            lambda: decoder_section(DECODER_BF16_SNAPSHOT),
+            "python scripts/results.py --stages decoder doc --decoder-checkpoint <head>, on a CPU with AMX",
+        ),
+        (
             LOOKAHEAD_TITLE,
             lookahead_section,
             "python scripts/results.py --stages lookahead doc",
@@ -659,7 +664,8 @@ def snapshot_runs(decoder_provenance: str | None = None) -> None:
         )
     report = read_json(RESULTS / "bench" / "decoder" / "report.json")
     if report is not None:
-        previous = read_json(SNAPSHOTS / "decoder.json") or {}
+        name = decoder_snapshot_name(report)
+        previous = read_json(SNAPSHOTS / name) or {}
         snapshot = {
             **compact(report),
             "methods": report["methods"],  # shape: auto's choice, predictions and latency probe
@@ -668,7 +674,19 @@ def snapshot_runs(decoder_provenance: str | None = None) -> None:
                 "provenance": decoder_provenance or previous.get("head", {}).get("provenance"),
             },
         }
-        write_json_atomic(SNAPSHOTS / "decoder.json", snapshot)
+        write_json_atomic(SNAPSHOTS / name, snapshot)
+
+
+def decoder_snapshot_name(report: dict) -> str:
+    """Where a decoder bench is snapshotted: one snapshot per class of CPU, because the issue's
+    goals differ by class (on a CPU with native bf16 verification is nearly free; on an AVX2-only
+    CPU it costs a step per few nodes) and one machine's run must not replace the other's. A run on
+    an accelerator gets one of its own too (the lent-GPU sessions' snapshots are kept by hand)."""
+    hardware = report["machine"].get("hardware") or {}
+    device_type = hardware.get("device_type", "cpu")
+    if device_type != "cpu":
+        return f"decoder_{device_type}.json"
+    return DECODER_BF16_SNAPSHOT if hardware.get("fast_bf16") else "decoder.json"
 
 
 def ablation_snapshot() -> dict | None:
@@ -996,6 +1014,9 @@ LOOKAHEAD_TITLE = "## Lookahead decoding, HF prompt lookup and a trained head (`
 LOOKAHEAD_RUN = "lookahead"
 LOOKAHEAD_SNAPSHOT = "lookahead.json"
 GPU_TITLE = "## On one GPU: the quickstart, regeneration and the plain step (a lent H100)"
+# the same bench on a CPU with native bf16 (AMX / AVX-512-bf16): its own snapshot and section
+DECODER_BF16_TITLE = "## The decoder on a CPU with native bf16 (AMX-bf16)"
+DECODER_BF16_SNAPSHOT = "decoder_bf16.json"
 DECODER_GPU_TITLE = "## The decoder on one GPU: CUDA graphs (a lent H100, second session)"
 DECODER_GPU_SNAPSHOT = "decoder_gpu.json"
 DECODER_ROUNDS_TITLE = "## The decoder on one GPU: greedy rounds on the device (a lent H100, third session)"

@@ -247,6 +247,53 @@ def test_decoder_section_reports_overheads_against_the_plain_step_and_the_auto_c
     assert (docs / "results.md").read_text() == text
 
 
+def test_a_decoder_bench_on_a_bf16_cpu_gets_its_own_snapshot_and_keeps_the_avx2_one(results, tmp_path):
+    def report(hardware: dict, plain_tokens_per_s: float) -> dict:
+        return {
+            "machine": {**MACHINE, "hardware": hardware},
+            "config": {
+                "prompts": {"per_category": 2, "max_turns": 1},
+                "max_new_tokens": 128,
+                "checkpoint": "h",
+            },
+            "methods": {"plain": {"type": "plain", "lossless": True}},
+            "results": {
+                "T=0": {"plain": {"overall": {"tokens_per_s": plain_tokens_per_s, "verify_ms": 30.0}}}
+            },
+        }
+
+    avx2 = {"name": "AMD EPYC", "cpu_flags": ["avx2"], "device_type": "cpu", "fast_bf16": False}
+    amx = {
+        "name": "Intel Xeon",
+        "cpu_flags": ["avx512f", "amx_bf16"],
+        "device_type": "cpu",
+        "fast_bf16": True,
+    }
+    bench = results.RESULTS / "bench" / "decoder" / "report.json"
+    write(bench, report(avx2, 11.0))
+    results.doc("an AVX2 run")
+    write(bench, report(amx, 32.0))  # the same run name on another machine
+    results.doc("an AMX run")
+    snapshots = tmp_path / "docs" / "results"
+    assert json.loads((snapshots / "decoder.json").read_text())["results"]["T=0"]["plain"]["overall"] == {
+        "tokens_per_s": 11.0,
+        "verify_ms": 30.0,
+    }
+    assert (
+        json.loads((snapshots / results.DECODER_BF16_SNAPSHOT).read_text())["head"]["provenance"]
+        == "an AMX run"
+    )
+    sections = results.sections(tmp_path / "docs" / "results.md")
+    assert "| plain | 11.00 |" in "\n".join(sections[results.DECODER_TITLE])
+    assert "| plain | 32.00 |" in "\n".join(sections[results.DECODER_BF16_TITLE])
+    write(bench, report({**amx, "device_type": "cuda"}, 300.0))  # a GPU run replaces neither
+    results.doc()
+    assert (snapshots / "decoder_cuda.json").is_file()
+    assert "| plain | 32.00 |" in "\n".join(
+        results.sections(tmp_path / "docs" / "results.md")[results.DECODER_BF16_TITLE]
+    )
+
+
 def test_batch_section_reports_throughput_per_size_and_the_crossover(results, tmp_path):
     def entry(rate, speedup, tau=None, identical=None):
         row = {"rows": 4, "tokens": 512, "wall_s": 512 / rate, "tokens_per_s": rate, "speedup": speedup}
