@@ -41,7 +41,12 @@ from specdraft.eval.bench import run_batch_benchmark, run_benchmark
 from specdraft.eval.decode import Typical
 from specdraft.eval.drafters import Drafter, TreeShape
 from specdraft.eval.graphs import resolve_graphs
-from specdraft.eval.kernels import PackedLinear, pack_linear_weights
+from specdraft.eval.kernels import (
+    GROUPED_QUERY_ATTENTION,
+    PackedLinear,
+    pack_linear_weights,
+    use_grouped_query_attention,
+)
 from specdraft.eval.load import load_head
 from specdraft.eval.methods import ShapeChooser, build_method, tree_shape
 from specdraft.eval.runner import TargetRunner
@@ -86,6 +91,8 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
     target: Target = instantiate(cfg.target)
     if cfg.packed_weights:
         log.info("linear layers pre-packed for oneDNN: %d of the target", pack_linear_weights(target.model))
+    if cfg.grouped_query_attention and use_grouped_query_attention(target.model):
+        log.info("attention: masked multi-token queries on the key/value heads (%s)", GROUPED_QUERY_ATTENTION)
     questions = instantiate(cfg.prompts)
     if not questions:
         raise ValueError(f"prompts {cfg.prompts}: no questions")
@@ -189,6 +196,7 @@ def shape_chooser(cfg: DictConfig, target: Target, graphs: bool) -> ShapeChooser
             "threads": torch.get_num_threads(),
             "target": [target.spec.name, target.spec.revision, str(target.dtype), str(target.device)],
             "packed_weights": any(isinstance(m, PackedLinear) for m in target.model.modules()),
+            "attention": target.model.config._attn_implementation,
             "compile": cfg.compile,
             "graphs": graphs,
             "probe": OmegaConf.to_container(probe, resolve=True),

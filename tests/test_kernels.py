@@ -1,5 +1,6 @@
 """eval/kernels.py: pre-packed linear weights give the same outputs, keep the module, and fall
-back to plain PyTorch wherever a gradient is needed; compiled steps decode the same tokens."""
+back to plain PyTorch wherever a gradient is needed; attention on the key/value heads gives
+transformers' SDPA outputs; compiled steps decode the same tokens."""
 
 from __future__ import annotations
 
@@ -11,9 +12,15 @@ from specdraft.data.target import target_weights
 from specdraft.data.tiny import tiny_random_target
 from specdraft.eval.decode import plain_generate, speculative_generate
 from specdraft.eval.drafters import DynamicTree, FeatureHeadDrafter
-from specdraft.eval.kernels import PackedLinear, pack_linear_weights
+from specdraft.eval.kernels import (
+    GROUPED_QUERY_ATTENTION,
+    PackedLinear,
+    pack_linear_weights,
+    use_grouped_query_attention,
+)
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
+from specdraft.eval.trees import tree_buffers
 from specdraft.heads.registry import build_head
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
@@ -48,6 +55,36 @@ def test_greedy_speculative_equals_plain_on_a_packed_target():
     head = build_head("eagle", {}, target.spec, target_weights(target)).eval()
     drafter = FeatureHeadDrafter(head, DynamicTree(depth=3, top_k=3, total_tokens=8))
     assert speculative_generate(TargetRunner(target), drafter, prompt, 24, Sampling(), ()).tokens == expected
+
+
+def test_grouped_query_attention_gives_sdpas_outputs_on_every_path_the_runner_takes():
+    """Prefill, a causal multi-token extend after a past (SDPA's masks must still be built), a
+    one-token step, and a tree verification under its mask (the path that changes: the query
+    heads stacked on their key/value head) all give what transformers' SDPA gives."""
+    target = tiny_random_target(seed=0)  # 4 query heads on 2 key/value heads
+    model = target.model
+    assert model.config.num_attention_heads > model.config.num_key_value_heads
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, target.spec.vocab_size, (20,), generator=generator)
+    more = torch.randint(3, target.spec.vocab_size, (5,), generator=generator)
+    tree = tree_buffers([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    nodes = torch.randint(3, target.spec.vocab_size, (tree.num_nodes,), generator=generator)
+
+    def outputs() -> list[torch.Tensor]:
+        runner = TargetRunner(target)
+        logits = [runner.prefill(prompt).logits, runner.extend(more).logits, runner.extend(more[:1]).logits]
+        return [*logits, runner.verify(nodes, tree).logits]
+
+    expected = outputs()
+    assert use_grouped_query_attention(model) and model.config._attn_implementation == GROUPED_QUERY_ATTENTION
+    for got, want in zip(outputs(), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # and a query that saw its siblings would differ: the mask reaches every stacked row
+    model.set_attn_implementation("sdpa")
+    runner = TargetRunner(target)
+    runner.prefill(prompt), runner.extend(more), runner.extend(more[:1])
+    chain = tree_buffers([(0,) * depth for depth in range(1, tree.num_nodes)])  # each node sees all before
+    assert not torch.allclose(runner.verify(nodes, chain).logits, expected[-1], atol=1e-3)
 
 
 def test_compiled_steps_decode_the_same_tokens_and_drafts():
