@@ -581,6 +581,11 @@ def doc(decoder_provenance: str | None = None) -> None:
             train_speed_section,
             "python scripts/results.py --stages train_speed doc --train-speed OLDEST … NEWEST",
         ),
+        (
+            TRAIN_SPEED_BF16_TITLE,
+            lambda: train_speed_section(TRAIN_SPEED_BF16_SNAPSHOT),
+            "the train_speed stage, on a CPU with AMX",
+        ),
     ):
         body = render()
         if body is None:
@@ -1006,6 +1011,8 @@ WALLCLOCK_ABLATION_TITLE = "## Earlier ablation: the same data, the same wall-cl
 CURVE_TITLE = "## τ vs training time and data"
 DECODER_TITLE = "## The decoder's own speed (`specdraft-bench methods=decoder`)"
 TRAIN_SPEED_TITLE = "## Training speed per head kind (`scripts/bench_train_step.py`)"
+TRAIN_SPEED_BF16_TITLE = "## Training speed per head kind on a CPU with native bf16 (AMX-bf16, bf16-mixed)"
+TRAIN_SPEED_BF16_SNAPSHOT = "train_speed_bf16.json"
 BATCH_TITLE = "## Throughput against batch size (`methods=batch batch_sizes=[1,2,4,8,16]`)"
 BATCH_RUN = "batch"
 BATCH_SNAPSHOT = "batch.json"
@@ -1779,7 +1786,8 @@ def train_speed(
     runs = [read_json(path) for path in checkouts]
     if len(runs) < 2 or any(run is None for run in runs):
         raise SystemExit(f"train_speed: {checkouts} must be two or more bench_train_step.py outputs")
-    previous = read_json(SNAPSHOTS / "train_speed.json") or {}
+    name = train_speed_snapshot_name(runs[-1]["machine"])
+    previous = read_json(SNAPSHOTS / name) or {}
     snapshot: dict = {"command": command, "checkouts": runs}
     if regen_logs:
         snapshot["regen"] = {"command": command, "commits": [runs[0]["commit"], runs[-1]["commit"]]}
@@ -1801,11 +1809,17 @@ def train_speed(
         snapshot["vocab_acceptance"] = previous["vocab_acceptance"]
     if repeats:  # more bench_train_step.py outputs of the same checkouts
         snapshot["repeats"] = [read_json(path) for path in repeats]
-    write_json_atomic(SNAPSHOTS / "train_speed.json", snapshot)
+    write_json_atomic(SNAPSHOTS / name, snapshot)
 
 
-def train_speed_section() -> list[str] | None:
-    snapshot = read_json(SNAPSHOTS / "train_speed.json")
+def train_speed_snapshot_name(machine: dict) -> str:
+    """One training-speed snapshot per class of CPU, as for the decoder (bf16-mixed on a CPU with
+    native bf16, fp32 elsewhere: neither run replaces the other's)."""
+    return TRAIN_SPEED_BF16_SNAPSHOT if machine.get("fast_bf16") else "train_speed.json"
+
+
+def train_speed_section(name: str = "train_speed.json") -> list[str] | None:
+    snapshot = read_json(SNAPSHOTS / name)
     if snapshot is None:
         return None
     runs = snapshot["checkouts"]

@@ -294,6 +294,27 @@ def test_a_decoder_bench_on_a_bf16_cpu_gets_its_own_snapshot_and_keeps_the_avx2_
     )
 
 
+def test_training_speed_on_a_bf16_cpu_gets_its_own_snapshot_and_keeps_the_fp32_one(results, tmp_path):
+    def checkout(commit: str, fast_bf16: bool, eagle: float, tmp_name: str) -> Path:
+        machine = {"name": "cpu", "cpu_flags": ["avx2"], "fast_bf16": fast_bf16, "threads": 2, "torch": "2"}
+        variant = {"train_tokens_per_s": eagle, "val_tokens_per_s": 2 * eagle}
+        path = tmp_path / tmp_name
+        write(path, {"label": commit, "commit": commit * 8, "machine": machine, "precision": "p",
+                     "batch_tokens": 2048, "variants": {"eagle": variant}})  # fmt: skip
+        return path
+
+    results.train_speed(
+        [checkout("a", False, 500, "a.json"), checkout("b", False, 600, "b.json")], None, None, ""
+    )
+    results.train_speed(
+        [checkout("a", True, 1400, "c.json"), checkout("b", True, 1500, "d.json")], None, None, ""
+    )
+    results.doc()
+    sections = results.sections(tmp_path / "docs" / "results.md")
+    assert "| `eagle` | 500 | 600 | 1.20× |" in "\n".join(sections[results.TRAIN_SPEED_TITLE])
+    assert "| `eagle` | 1400 | 1500 | 1.07× |" in "\n".join(sections[results.TRAIN_SPEED_BF16_TITLE])
+
+
 def test_batch_section_reports_throughput_per_size_and_the_crossover(results, tmp_path):
     def entry(rate, speedup, tau=None, identical=None):
         row = {"rows": 4, "tokens": 512, "wall_s": 512 / rate, "tokens_per_s": rate, "speedup": speedup}
