@@ -92,6 +92,10 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "quickstart-budget-amx": (
+        "quickstart-budget-amx",
+        "make run (fresh clone: install + specdraft-quickstart, budget_minutes=45) on an AMX-bf16 CPU",
+    ),
     "quickstart-fused-avx2": (
         "quickstart-fused-avx2",
         "make run (fresh clone: install + specdraft-quickstart, budget_minutes=45) on an AVX2 CPU, "
@@ -174,6 +178,13 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "quickstart-budget-amx": (
+        "2026-11-25, `time make run` in a fresh clone of commit 2a9282e, alone on the machine: 35:30 "
+        "wall in all, of which the quickstart 34:34 of its 45-minute budget (regeneration and the eval "
+        "came in under their ETAs). The plan: 1,069 conversations, 439 training steps of 4,096 "
+        "positions (bf16-mixed), a 9-minute eval box. Outputs copied from that clone's run `quickstart` "
+        "under this run name."
+    ),
     "quickstart-fused-avx2": (
         "2026-11-24, `time make run` in a fresh clone of commit c4ebf0e (vocabulary-major fused losses, "
         "aligned rollout attention), alone on the machine: 42:34 wall in all, of which the quickstart "
