@@ -60,7 +60,8 @@ def test_greedy_speculative_equals_plain_on_a_packed_target():
 def test_grouped_query_attention_gives_sdpas_outputs_on_every_path_the_runner_takes():
     """Prefill, a causal multi-token extend after a past (SDPA's masks must still be built), a
     one-token step, and a tree verification under its mask (the path that changes: the query
-    heads stacked on their key/value head) all give what transformers' SDPA gives."""
+    heads stacked on their key/value head) all give what transformers' SDPA gives, on a runner
+    with dynamic and with static shapes."""
     target = tiny_random_target(seed=0)  # 4 query heads on 2 key/value heads
     model = target.model
     assert model.config.num_attention_heads > model.config.num_key_value_heads
@@ -71,9 +72,16 @@ def test_grouped_query_attention_gives_sdpas_outputs_on_every_path_the_runner_ta
     nodes = torch.randint(3, target.spec.vocab_size, (tree.num_nodes,), generator=generator)
 
     def outputs() -> list[torch.Tensor]:
-        runner = TargetRunner(target)
-        logits = [runner.prefill(prompt).logits, runner.extend(more).logits, runner.extend(more[:1]).logits]
-        return [*logits, runner.verify(nodes, tree).logits]
+        logits = []
+        for static in (False, True):  # static: masks over the cache's whole capacity (graphs=True)
+            runner = TargetRunner(target, graphs=static)
+            logits += [
+                runner.prefill(prompt).logits,
+                runner.extend(more).logits,
+                runner.extend(more[:1]).logits,
+            ]
+            logits.append(runner.verify(nodes, tree).logits)
+        return logits
 
     expected = outputs()
     assert use_grouped_query_attention(model) and model.config._attn_implementation == GROUPED_QUERY_ATTENTION
@@ -84,7 +92,7 @@ def test_grouped_query_attention_gives_sdpas_outputs_on_every_path_the_runner_ta
     runner = TargetRunner(target)
     runner.prefill(prompt), runner.extend(more), runner.extend(more[:1])
     chain = tree_buffers([(0,) * depth for depth in range(1, tree.num_nodes)])  # each node sees all before
-    assert not torch.allclose(runner.verify(nodes, chain).logits, expected[-1], atol=1e-3)
+    assert not torch.allclose(runner.verify(nodes, chain).logits, expected[3], atol=1e-3)
 
 
 def test_compiled_steps_decode_the_same_tokens_and_drafts():
