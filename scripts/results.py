@@ -702,7 +702,7 @@ def decoder_snapshot_name(report: dict) -> str:
     device_type = hardware.get("device_type", "cpu")
     if device_type != "cpu":
         return f"decoder_{device_type}.json"
-    return DECODER_BF16_SNAPSHOT if hardware.get("fast_bf16") else "decoder.json"
+    return DECODER_BF16_SNAPSHOT if hardware.get("fast_bf16") else DECODER_SNAPSHOT
 
 
 def ablation_snapshot() -> dict | None:
@@ -1021,7 +1021,9 @@ SWEEP_TITLE = "## HASS loss-weight sweep (Hydra multirun, W&B offline)"
 WALLCLOCK_ABLATION_TITLE = "## Earlier ablation: the same data, the same wall-clock training time"
 CURVE_TITLE = "## τ vs training time and data"
 DECODER_TITLE = "## The decoder's own speed (`specdraft-bench methods=decoder`)"
+DECODER_SNAPSHOT = "decoder.json"  # (an AVX2-only CPU's; decoder_snapshot_name)
 TRAIN_SPEED_TITLE = "## Training speed per head kind (`scripts/bench_train_step.py`)"
+TRAIN_SPEED_SNAPSHOT = "train_speed.json"  # (fp32 on an AVX2-only CPU; train_speed_snapshot_name)
 TRAIN_SPEED_BF16_TITLE = "## Training speed per head kind on a CPU with native bf16 (AMX-bf16, bf16-mixed)"
 TRAIN_SPEED_BF16_SNAPSHOT = "train_speed_bf16.json"
 BATCH_TITLE = "## Throughput against batch size (`methods=batch batch_sizes=[1,2,4,8,16]`)"
@@ -1617,7 +1619,7 @@ def plot_batch(snapshot: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def decoder_section(name: str = "decoder.json") -> list[str] | None:
+def decoder_section(name: str = DECODER_SNAPSHOT) -> list[str] | None:
     snapshot = read_json(SNAPSHOTS / name)
     if snapshot is None:
         return None
@@ -1826,10 +1828,10 @@ def train_speed(
 def train_speed_snapshot_name(machine: dict) -> str:
     """One training-speed snapshot per class of CPU, as for the decoder (bf16-mixed on a CPU with
     native bf16, fp32 elsewhere: neither run replaces the other's)."""
-    return TRAIN_SPEED_BF16_SNAPSHOT if machine.get("fast_bf16") else "train_speed.json"
+    return TRAIN_SPEED_BF16_SNAPSHOT if machine.get("fast_bf16") else TRAIN_SPEED_SNAPSHOT
 
 
-def train_speed_section(name: str = "train_speed.json") -> list[str] | None:
+def train_speed_section(name: str = TRAIN_SPEED_SNAPSHOT) -> list[str] | None:
     snapshot = read_json(SNAPSHOTS / name)
     if snapshot is None:
         return None
