@@ -680,7 +680,7 @@ def snapshot_runs(decoder_provenance: str | None = None) -> None:
         )
     report = read_json(RESULTS / "bench" / "decoder" / "report.json")
     if report is not None:
-        name = decoder_snapshot_name(report)
+        name = machine_snapshot("decoder", report["machine"].get("hardware") or {})
         previous = read_json(SNAPSHOTS / name) or {}
         snapshot = {
             **compact(report),
@@ -693,16 +693,17 @@ def snapshot_runs(decoder_provenance: str | None = None) -> None:
         write_json_atomic(SNAPSHOTS / name, snapshot)
 
 
-def decoder_snapshot_name(report: dict) -> str:
-    """Where a decoder bench is snapshotted: one snapshot per class of CPU, because the issue's
-    goals differ by class (on a CPU with native bf16 verification is nearly free; on an AVX2-only
-    CPU it costs a step per few nodes) and one machine's run must not replace the other's. A run on
-    an accelerator gets one of its own too (the lent-GPU sessions' snapshots are kept by hand)."""
-    hardware = report["machine"].get("hardware") or {}
+def machine_snapshot(stem: str, hardware: dict) -> str:
+    """Where a measurement of ``hardware`` (a ``detect_hardware().record()``) is snapshotted: one
+    snapshot per class of machine, because the issues' goals differ by class (with native bf16 a
+    tree verification is nearly free and training runs bf16-mixed; on an AVX2-only CPU a verify
+    costs a step per few nodes and training runs fp32) and one machine's run must not replace
+    another's. ``<stem>.json`` on an AVX2-only CPU, ``<stem>_bf16.json`` on a CPU with native bf16,
+    ``<stem>_<device>.json`` on an accelerator (the lent-GPU sessions' snapshots are kept by hand)."""
     device_type = hardware.get("device_type", "cpu")
     if device_type != "cpu":
-        return f"decoder_{device_type}.json"
-    return DECODER_BF16_SNAPSHOT if hardware.get("fast_bf16") else DECODER_SNAPSHOT
+        return f"{stem}_{device_type}.json"
+    return f"{stem}_bf16.json" if hardware.get("fast_bf16") else f"{stem}.json"
 
 
 def ablation_snapshot() -> dict | None:
@@ -1021,9 +1022,9 @@ SWEEP_TITLE = "## HASS loss-weight sweep (Hydra multirun, W&B offline)"
 WALLCLOCK_ABLATION_TITLE = "## Earlier ablation: the same data, the same wall-clock training time"
 CURVE_TITLE = "## τ vs training time and data"
 DECODER_TITLE = "## The decoder's own speed (`specdraft-bench methods=decoder`)"
-DECODER_SNAPSHOT = "decoder.json"  # (an AVX2-only CPU's; decoder_snapshot_name)
+DECODER_SNAPSHOT = "decoder.json"  # an AVX2-only CPU's (machine_snapshot)
 TRAIN_SPEED_TITLE = "## Training speed per head kind (`scripts/bench_train_step.py`)"
-TRAIN_SPEED_SNAPSHOT = "train_speed.json"  # (fp32 on an AVX2-only CPU; train_speed_snapshot_name)
+TRAIN_SPEED_SNAPSHOT = "train_speed.json"  # an AVX2-only CPU's, fp32 (machine_snapshot)
 TRAIN_SPEED_BF16_TITLE = "## Training speed per head kind on a CPU with native bf16 (AMX-bf16, bf16-mixed)"
 TRAIN_SPEED_BF16_SNAPSHOT = "train_speed_bf16.json"
 BATCH_TITLE = "## Throughput against batch size (`methods=batch batch_sizes=[1,2,4,8,16]`)"
@@ -1799,7 +1800,7 @@ def train_speed(
     runs = [read_json(path) for path in checkouts]
     if len(runs) < 2 or any(run is None for run in runs):
         raise SystemExit(f"train_speed: {checkouts} must be two or more bench_train_step.py outputs")
-    name = train_speed_snapshot_name(runs[-1]["machine"])
+    name = machine_snapshot("train_speed", runs[-1]["machine"])
     previous = read_json(SNAPSHOTS / name) or {}
     snapshot: dict = {"command": command, "checkouts": runs}
     if regen_logs:
@@ -1823,12 +1824,6 @@ def train_speed(
     if repeats:  # more bench_train_step.py outputs of the same checkouts
         snapshot["repeats"] = [read_json(path) for path in repeats]
     write_json_atomic(SNAPSHOTS / name, snapshot)
-
-
-def train_speed_snapshot_name(machine: dict) -> str:
-    """One training-speed snapshot per class of CPU, as for the decoder (bf16-mixed on a CPU with
-    native bf16, fp32 elsewhere: neither run replaces the other's)."""
-    return TRAIN_SPEED_BF16_SNAPSHOT if machine.get("fast_bf16") else TRAIN_SPEED_SNAPSHOT
 
 
 def train_speed_section(name: str = TRAIN_SPEED_SNAPSHOT) -> list[str] | None:
