@@ -110,7 +110,10 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
     draft_model = functools.cache(
         lambda: load_draft_model(target, cfg.draft_model.path, cfg.draft_model.num_layers)
     )
-    shortlist = functools.cache(lambda: vocab_shortlist(cfg.shortlist, target))
+    counts = functools.cache(lambda: assistant_counts(cfg.shortlist, target))
+    shortlist = functools.cache(
+        lambda size=None: vocab_shortlist(counts, cfg.shortlist.size if size is None else size)
+    )
     graphs = resolve_graphs(cfg.graphs, target.device)
     methods = [
         build_method(
@@ -269,20 +272,26 @@ def calibration_prompts(cfg: DictConfig, target: Target) -> list[torch.Tensor]:
     return prompts
 
 
-def vocab_shortlist(cfg: DictConfig, target: Target) -> torch.Tensor | None:
-    """The ``cfg.size`` most frequent assistant tokens of the training split (None: no shortlist)."""
-    if cfg.size is None:
-        return None
+def assistant_counts(cfg: DictConfig, target: Target) -> torch.Tensor:
+    """How often each target token is an assistant token in the training split of ``cfg.source``
+    (V counts): what the shortlist ranks by."""
     source = instantiate(cfg.source)
     train, _ = split_conversations(source.conversations, cfg.heldout_fraction, cfg.split_seed)
     samples, _ = tokenize_conversations(target.tokenizer, train, cfg.max_length, progress=False)
-    counts = assistant_token_counts(samples, target.spec.vocab_size)
-    d2t, _ = draft_vocab_from_counts(counts, min(cfg.size, target.spec.vocab_size))
+    return assistant_token_counts(samples, target.spec.vocab_size)
+
+
+def vocab_shortlist(counts: Callable[[], torch.Tensor], size: int | None) -> torch.Tensor | None:
+    """The ``size`` most frequent assistant tokens by ``counts()`` (None: no shortlist)."""
+    if size is None:
+        return None
+    counted = counts()
+    d2t, _ = draft_vocab_from_counts(counted, min(size, len(counted)))
     log.info(
         "vocab shortlist: %d tokens cover %.1f%% of %d assistant tokens",
         len(d2t),
-        100 * counts[torch.arange(len(d2t)) + d2t].sum() / counts.sum(),
-        int(counts.sum()),
+        100 * counted[torch.arange(len(d2t)) + d2t].sum() / counted.sum(),
+        int(counted.sum()),
     )
     return torch.arange(len(d2t)) + d2t
 

@@ -7,6 +7,7 @@ Method config (a mapping):
 
 * ``{type: plain}`` — token by token on our target runner (the speedup reference);
 * ``{type: head, checkpoint, shape, shortlist, typical}`` — a trained head in our decode loop;
+  ``shortlist``: false, true (the run's ``shortlist.size`` most frequent tokens) or a size;
   ``shape`` = ``{kind: dynamic, depth, top_k, total_tokens}`` | ``{kind: chain, depth,
   threshold}`` | ``{kind: static, paths}`` | ``{kind: static, rank_accept, num_nodes}`` |
   ``{kind: auto, candidates}`` (the fastest candidate on this machine, or plain decoding;
@@ -94,13 +95,27 @@ def tree_shape(config: Mapping[str, Any]) -> TreeShape:
     raise ValueError(f"tree shape kind must be chain, static or dynamic, got {kind!r}")
 
 
+def method_shortlist(name: str, setting: Any, shortlist: Callable[..., Tensor | None]) -> Tensor | None:
+    """A head method's ``shortlist``: false (the whole vocabulary), true (the run's size) or a
+    number of tokens."""
+    if setting is False:
+        return None
+    if setting is True:
+        return shortlist()
+    if isinstance(setting, int) and setting > 0:
+        return shortlist(setting)
+    raise ValueError(
+        f"method {name}: shortlist must be true, false or a positive token count, got {setting!r}"
+    )
+
+
 def build_method(
     name: str,
     config: Mapping[str, Any],
     target: Target,
     heads: Callable[[str], nn.Module],
     draft_model: Callable[[], nn.Module],
-    shortlist: Callable[[], Tensor | None],
+    shortlist: Callable[..., Tensor | None],
     eos_ids: tuple[int, ...],
     max_new_tokens: int,
     typical: Typical,
@@ -108,7 +123,8 @@ def build_method(
     compile: bool = False,
     graphs: bool = False,
 ) -> Method:
-    """``heads(checkpoint)``, ``draft_model()`` and ``shortlist()`` load lazily (and cache);
+    """``heads(checkpoint)``, ``draft_model()`` and ``shortlist()`` / ``shortlist(size)`` (the run's
+    size / another one) load lazily (and cache);
     ``choose_shape`` resolves ``shape: {kind: auto}``; ``compile``: the target's and the
     drafters' steps through ``torch.compile`` (not the HF baselines); ``graphs``: the target's
     and the feature heads' steps replayed from CUDA graphs (:mod:`specdraft.eval.graphs`) —
@@ -179,7 +195,7 @@ def build_method(
         use_typical = bool(config.get("typical", False))
         aux_layer_ids = head.target_taps
         runner = TargetRunner(target, aux_layer_ids, compile=compile, graphs=graphs)
-        words = shortlist() if config.get("shortlist", False) else None
+        words = method_shortlist(name, config.get("shortlist", False), shortlist)
         drafter_for: Callable[[TreeShape], Drafter] = lambda shape: drafter_for_head(  # noqa: E731
             head, shape, words, compile=compile, graphs=graphs
         )

@@ -29,7 +29,7 @@ from specdraft.eval.drafters import (
     MedusaDrafter,
     StaticTree,
 )
-from specdraft.eval.methods import build_method
+from specdraft.eval.methods import build_method, method_shortlist
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.trees import best_static_tree
@@ -255,6 +255,22 @@ def test_vocab_shortlist_keeps_greedy_output_and_drafts_inside_it(diverse_target
     assert draft.tokens[1:].min() >= 3 and draft.tokens[1:].max() < 150
     with pytest.raises(ValueError, match="eagle3 drafts over its own vocabulary"):
         FeatureHeadDrafter(random_head(diverse_target, "eagle3"), SHAPES["chain"], vocab_shortlist=shortlist)
+
+
+def test_method_shortlist_setting_picks_the_run_size_a_size_or_none():
+    sizes = []
+
+    def shortlist(size=None):
+        sizes.append(size)
+        return torch.arange(size or 8)
+
+    assert method_shortlist("m", False, shortlist) is None
+    assert len(method_shortlist("m", True, shortlist)) == 8  # the run's own size
+    assert len(method_shortlist("m", 5, shortlist)) == 5
+    assert sizes == [None, 5]
+    for bad in (0, -3, "8k", 2.5):
+        with pytest.raises(ValueError, match="method m: shortlist must be true, false or a positive"):
+            method_shortlist("m", bad, shortlist)
 
 
 # -- drafting: every node's draft distribution is the head's, run from scratch on its path --------
