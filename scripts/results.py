@@ -92,6 +92,11 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-v8k-data75": (
+        "qs-v8k-data75",
+        "specdraft-quickstart name=qs-v8k-data75 budget.data_share=0.75 "
+        "'overrides.train=[\"loss.draft_vocab_size=8192\"]' (today's defaults) on an AMX-bf16 CPU",
+    ),
     "quickstart-budget-amx": (
         "quickstart-budget-amx",
         "make run (fresh clone: install + specdraft-quickstart, budget_minutes=45) on an AMX-bf16 CPU",
@@ -178,6 +183,15 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-v8k-data75": (
+        "2026-11-25, in the working checkout at commit 23dd101 (the install and the GGUF's dequantized "
+        "cache warm, no regenerated answers), alone on the machine: the quickstart 33:49 of its "
+        "45-minute budget. The plan: 1,624 conversations, 830 training steps of 4,096 positions "
+        "(bf16-mixed, the loss's vocabulary terms over 8,192 tokens), a 9-minute eval box. Its τ "
+        "against quickstart-budget-amx (the same machine class, 0.5 of the data budget, "
+        "full-vocabulary steps) measures the two changes together; that run's speedups predate the "
+        "decoder's grouped attention, so compare τ."
+    ),
     "quickstart-budget-amx": (
         "2026-11-25, `time make run` in a fresh clone of commit 2a9282e, alone on the machine: 35:30 "
         "wall in all, of which the quickstart 34:34 of its 45-minute budget (regeneration and the eval "
