@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from specdraft.data.conversations import select_conversations
 from specdraft.data.errors import user_errors
 from specdraft.data.hardware import start
+from specdraft.data.packed_linear import pack_linear_weights
 from specdraft.data.regen import (
     AutoBatch,
     GenerationSettings,
@@ -41,6 +42,8 @@ def main(cfg: DictConfig) -> None:
     conversations, description = select_conversations(source.conversations, data, cfg.split, cfg.limit)
     if cfg.backend == "target":
         target = instantiate(cfg.target)
+        if cfg.packed_weights:
+            log.info("regen: %d linear layers pre-packed for oneDNN", pack_linear_weights(target.model))
         rules = AutoBatch(**cfg.auto)
         batch_size = resolve_batch_size(
             cfg.batch_size, target.spec, target.device, cfg.max_prompt_tokens, rules

@@ -26,6 +26,7 @@ from specdraft.data.chat import assistant_token_counts, tokenize_conversations
 from specdraft.data.conversations import split_conversations
 from specdraft.data.errors import user_errors
 from specdraft.data.hardware import detect_hardware, start
+from specdraft.data.packed_linear import PackedLinear, pack_linear_weights
 from specdraft.data.target import Target
 from specdraft.eval.autoshape import (
     ShapeChoice,
@@ -41,12 +42,7 @@ from specdraft.eval.bench import run_batch_benchmark, run_benchmark
 from specdraft.eval.decode import Typical
 from specdraft.eval.drafters import Drafter, TreeShape
 from specdraft.eval.graphs import resolve_graphs
-from specdraft.eval.kernels import (
-    GROUPED_QUERY_ATTENTION,
-    PackedLinear,
-    pack_linear_weights,
-    use_grouped_query_attention,
-)
+from specdraft.eval.kernels import GROUPED_QUERY_ATTENTION, use_grouped_query_attention
 from specdraft.eval.load import load_head
 from specdraft.eval.methods import ShapeChooser, build_method, tree_shape
 from specdraft.eval.runner import TargetRunner
@@ -101,7 +97,7 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
 
     def frozen_head(path: str) -> torch.nn.Module:
         head = load_head(path, target, head_dtype)
-        if cfg.packed_weights:  # its few-row matmuls gain as much as the target's (eval/kernels.py)
+        if cfg.packed_weights:  # its few-row matmuls gain as much as the target's (data/packed_linear.py)
             pack_linear_weights(head)
         return head
 

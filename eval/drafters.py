@@ -32,8 +32,9 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from specdraft.data.packed_linear import pack_linear_weights
 from specdraft.eval.graphs import GraphedStep
-from specdraft.eval.kernels import compiled_step, pack_linear_weights
+from specdraft.eval.kernels import compiled_step
 from specdraft.eval.runner import PositionalKVCache, TargetOutput, grow_positions
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.trees import TreeBuffers, tree_buffers, tree_from_ancestors
@@ -292,7 +293,7 @@ class FeatureHeadDrafter(Drafter):
             weight = head.shortlist_weight(self.to_target).to(self.dtype).contiguous()
             self.shortlist = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=self.device)
             self.shortlist.weight = nn.Parameter(weight, requires_grad=False)
-            pack_linear_weights(self.shortlist)  # a few rows per step: the packed kernel (eval/kernels.py)
+            pack_linear_weights(self.shortlist)  # a few rows per step: data/packed_linear.py's kernel
         spec = head.spec
         self.kv = torch.zeros(2, 1, spec.num_kv_heads, 0, spec.head_dim, dtype=self.dtype, device=self.device)
         self._slots = 0  # draft entries written after the committed ones this round

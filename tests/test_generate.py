@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from specdraft.data.generate import greedy_generate
+from specdraft.data.packed_linear import pack_linear_weights
 from specdraft.data.tiny import tiny_random_target
 
 
@@ -61,3 +62,14 @@ def test_one_new_token_and_no_end_of_sequence(model):
     assert greedy_generate(model, [], 5, set()) == []
     with pytest.raises(ValueError, match="max_new_tokens"):
         greedy_generate(model, prompts, 0, set())
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+def test_packed_weights_answer_as_the_model_does(model):
+    """specdraft-regen packs the target's linears (packed_weights: true): in fp32 the answers are
+    the unpacked model's, through refills and compactions."""
+    prompts = random_prompts(9, seed=2)
+    expected = greedy_generate(model, prompts, 20, set(), batch_size=4)
+    packed = tiny_random_target(seed=0, initializer_range=0.5).model
+    assert pack_linear_weights(packed) > 0
+    assert greedy_generate(packed, prompts, 20, set(), batch_size=4) == expected
