@@ -39,6 +39,8 @@ Stages (``--stages`` picks some):
   and the acceptance of full- vs reduced-vocabulary training (``--vocab-acceptance``): snapshotted
   as they are into docs/results/train_speed.json (a regeneration or acceptance measurement not
   given again is kept);
+* ``regen_speed`` — a regeneration measurement alone (``--regen-logs BEFORE AFTER
+  --regen-commits OLD NEW``, ``--train-speed-command`` saying how), into the same snapshot;
 * ``doc``       — docs/results.md and its plots from the JSON the stages wrote (the ablation's
   paired-bootstrap intervals are computed from its bench's records when it is snapshotted).
 
@@ -70,6 +72,7 @@ from pathlib import Path
 import yaml
 
 from specdraft.data.atomic import write_bytes_atomic, write_json_atomic
+from specdraft.data.hardware import detect_hardware
 from specdraft.eval.bench import machine_info, read_records
 from specdraft.eval.report import CONFIDENCE, paired_bootstrap, summarize
 from specdraft.train.budget import clock
@@ -1798,6 +1801,35 @@ def decoder_rounds_section() -> list[str] | None:
 
 
 REGEN_RATE = re.compile(r"(\d+) tokens in (\d+) s = ([\d.]+) tokens/s")
+REGEN_ROWS = re.compile(r"regen: (\d+) rows per batch")
+
+
+def regen_measurement(logs: list[Path], commits: list[str], command: str) -> dict:
+    """Regeneration tokens/s before and after, from two ``specdraft-regen`` logs."""
+    measurement: dict = {"command": command, "commits": commits}
+    for label, log in zip(("before", "after"), logs, strict=True):
+        text = log.read_text()
+        found = REGEN_RATE.findall(text)
+        if not found:
+            raise SystemExit(f"regen: {log} has no specdraft-regen throughput line")
+        tokens, seconds, rate = found[-1]
+        measurement[label] = {"tokens": int(tokens), "seconds": int(seconds), "tokens_per_s": float(rate)}
+        rows = REGEN_ROWS.findall(text)
+        if rows:
+            measurement[label]["rows"] = int(rows[-1])
+    return measurement
+
+
+def regen_speed(logs: list[Path], commits: list[str], command: str) -> None:
+    """A regeneration measurement alone, into this machine's training-speed snapshot (whose
+    training measurements it keeps): ``logs`` of ``specdraft-regen`` at ``commits`` (before,
+    after) on the same conversations."""
+    name = machine_snapshot("train_speed", detect_hardware().record())
+    snapshot = read_json(SNAPSHOTS / name)
+    if snapshot is None:
+        raise SystemExit(f"regen_speed: no {SNAPSHOTS / name} to add the measurement to (stage train_speed)")
+    snapshot["regen"] = regen_measurement(logs, commits, command)
+    write_json_atomic(SNAPSHOTS / name, snapshot)
 
 
 def train_speed(
@@ -1818,17 +1850,7 @@ def train_speed(
     previous = read_json(SNAPSHOTS / name) or {}
     snapshot: dict = {"command": command, "checkouts": runs}
     if regen_logs:
-        snapshot["regen"] = {"command": command, "commits": [runs[0]["commit"], runs[-1]["commit"]]}
-        for label, log in zip(("before", "after"), regen_logs, strict=True):
-            found = REGEN_RATE.findall(log.read_text())
-            if not found:
-                raise SystemExit(f"train_speed: {log} has no specdraft-regen throughput line")
-            tokens, seconds, rate = found[-1]
-            snapshot["regen"][label] = {
-                "tokens": int(tokens),
-                "seconds": int(seconds),
-                "tokens_per_s": float(rate),
-            }
+        snapshot["regen"] = regen_measurement(regen_logs, [runs[0]["commit"], runs[-1]["commit"]], command)
     elif "regen" in previous:
         snapshot["regen"] = previous["regen"]
     if vocab is not None:
@@ -1903,10 +1925,12 @@ def train_speed_section(name: str = TRAIN_SPEED_SNAPSHOT) -> list[str] | None:
     regen = snapshot.get("regen")
     if regen:
         old_rate, new_rate = regen["before"]["tokens_per_s"], regen["after"]["tokens_per_s"]
+        rows = [regen[label].get("rows") for label in ("before", "after")]
+        at_rows = f" at {rows[0]} → {rows[1]} rows" if all(rows) else ""
         lines += [
             "",
-            f"Regeneration (`specdraft-regen`, greedy): {old_rate:.1f} tokens/s before, {new_rate:.1f} "
-            f"after ({new_rate / old_rate:.2f}×; {regen['before']['tokens']} and "
+            f"Regeneration (`specdraft-regen`, greedy{at_rows}): {old_rate:.1f} tokens/s before, "
+            f"{new_rate:.1f} after ({new_rate / old_rate:.2f}×; {regen['before']['tokens']} and "
             f"{regen['after']['tokens']} tokens; commits "
             f"{' → '.join(c[:7] for c in regen.get('commits', []))}; `{regen.get('command', '')}`).",
         ]
@@ -2024,6 +2048,7 @@ def main() -> None:
     parser.add_argument("--decoder-provenance", help="how that head was trained (kept in the snapshot)")
     parser.add_argument("--train-speed", nargs="+", type=Path, help="bench_train_step.py JSON, oldest first")
     parser.add_argument("--regen-logs", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
+    parser.add_argument("--regen-commits", nargs=2, metavar=("OLD", "NEW"), help="stage regen_speed")
     parser.add_argument("--vocab-acceptance", type=Path, help="the reduced-vocabulary acceptance JSON")
     parser.add_argument("--train-speed-command", default="", help="how the measurements were made")
     parser.add_argument("--train-speed-repeats", nargs="*", type=Path, help="more runs, either checkout")
@@ -2057,6 +2082,10 @@ def main() -> None:
                 args.train_speed_command,
                 args.train_speed_repeats,
             )
+        elif stage == "regen_speed":
+            if not (args.regen_logs and args.regen_commits):
+                parser.error("stage regen_speed needs --regen-logs BEFORE AFTER and --regen-commits OLD NEW")
+            regen_speed(args.regen_logs, args.regen_commits, args.train_speed_command)
         elif stage == "doc":
             doc(args.decoder_provenance)
         else:

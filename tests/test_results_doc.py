@@ -315,6 +315,38 @@ def test_training_speed_on_a_bf16_cpu_gets_its_own_snapshot_and_keeps_the_fp32_o
     assert "| `eagle` | 1400 | 1500 | 1.07× |" in "\n".join(sections[results.TRAIN_SPEED_BF16_TITLE])
 
 
+def test_a_regeneration_measurement_alone_joins_this_machines_training_speed_snapshot(
+    results, tmp_path, monkeypatch
+):
+    class Avx2:
+        def record(self) -> dict:
+            return {"name": "cpu", "cpu_flags": ["avx2"], "fast_bf16": False, "device_type": "cpu"}
+
+    monkeypatch.setattr(results, "detect_hardware", lambda: Avx2())
+    logs = []
+    for label, rows, tokens, seconds, rate in (("before", 32, 1000, 10, 100.0), ("after", 64, 990, 6, 165.0)):
+        log = tmp_path / f"{label}.log"
+        throughput = f"9 turns answered, 0 dropped; {tokens} tokens in {seconds} s = {rate} tokens/s"
+        log.write_text(f"regen: {rows} rows per batch\nout.jsonl: 9 written this run ({throughput})")
+        logs.append(log)
+    with pytest.raises(SystemExit, match=r"no .*train_speed\.json"):  # nothing to join yet
+        results.regen_speed(logs, ["a" * 40, "b" * 40], "how")
+    machine = {"name": "cpu", "cpu_flags": ["avx2"], "fast_bf16": False, "threads": 2, "torch": "2"}
+    for commit in "ab":
+        write(tmp_path / f"{commit}.json", {"label": commit, "commit": commit * 40, "machine": machine,
+              "precision": "p", "batch_tokens": 2048, "variants": {"eagle": {"train_tokens_per_s": 5,
+              "val_tokens_per_s": 9}}})  # fmt: skip
+    results.train_speed([tmp_path / "a.json", tmp_path / "b.json"], None, None, "")
+    results.regen_speed(logs, ["c" * 40, "d" * 40], "how")
+    snapshot = json.loads((tmp_path / "docs" / "results" / results.TRAIN_SPEED_SNAPSHOT).read_text())
+    assert [run["commit"] for run in snapshot["checkouts"]] == ["a" * 40, "b" * 40]  # kept
+    assert snapshot["regen"]["after"] == {"tokens": 990, "seconds": 6, "tokens_per_s": 165.0, "rows": 64}
+    results.doc()
+    text = "\n".join(results.sections(tmp_path / "docs" / "results.md")[results.TRAIN_SPEED_TITLE])
+    assert "greedy at 32 → 64 rows): 100.0 tokens/s before, 165.0 after (1.65×" in text
+    assert "commits ccccccc → ddddddd; `how`" in text
+
+
 def test_batch_section_reports_throughput_per_size_and_the_crossover(results, tmp_path):
     def entry(rate, speedup, tau=None, identical=None):
         row = {"rows": 4, "tokens": 512, "wall_s": 512 / rate, "tokens_per_s": rate, "speedup": speedup}

@@ -395,8 +395,8 @@ def _probe_regen(
     pad_id = pad_token_id(target.spec)
     never_stop: tuple[int, ...] = ()  # every row decodes every step, as in a full batch
 
-    # Warm-up at the batch's shapes (allocations, kernel choices) on short prompts: cheap, and
-    # what first-call costs remain make the prefill look slower, never faster.
+    # Warm-up at the batch's shapes (allocations, kernel choices) on short prompts: cheap. The
+    # one-prompt prefills below take their median: the first pays for its own shapes.
     greedy_generate(target.model, [p[:PROBE_WARMUP_TOKENS] for p in batch], 2, never_stop, rows, pad_id)
     stamps: list[float] = []
     greedy_generate(
