@@ -95,10 +95,16 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-data50-amx": (
+        "qs-data50-amx",
+        "make run (fresh clone of 0d30461: install + specdraft-quickstart, budget_minutes=45; today's "
+        "defaults: half of the data + training budget to data, regeneration at 64 rows with packed "
+        "weights) on an AMX-bf16 CPU",
+    ),
     "qs-v8k-data75": (
         "qs-v8k-data75",
         "specdraft-quickstart name=qs-v8k-data75 budget.data_share=0.75 "
-        "'overrides.train=[\"loss.draft_vocab_size=8192\"]' (today's defaults) on an AMX-bf16 CPU",
+        "'overrides.train=[\"loss.draft_vocab_size=8192\"]' (the defaults of 87380d8) on an AMX-bf16 CPU",
     ),
     "quickstart-budget-amx": (
         "quickstart-budget-amx",
@@ -186,6 +192,15 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-data50-amx": (
+        "2026-11-25, `time make run` in a fresh clone of commit 0d30461, alone on the machine: 44:02 "
+        "wall in all, of which the quickstart 43:06 of its 45-minute budget. The plan: 1,553 "
+        "conversations, 1,620 training steps of 4,096 positions, a 9-minute eval box; training ran "
+        "slower than probed (0.8 against 0.6 s per step with its validations) and its time guard "
+        "(1.25× the ETA) stopped it at step 1,501. Outputs copied from that clone's run `quickstart` "
+        "under this run name. Against qs-v8k-data75 (the same machine class, 0.75 of the data "
+        "budget, slower regeneration: 1,624 conversations and 830 steps) it measures the new split."
+    ),
     "qs-v8k-data75": (
         "2026-11-25, in the working checkout at commit 23dd101 (the install and the GGUF's dequantized "
         "cache warm, no regenerated answers), alone on the machine: the quickstart 33:49 of its "
