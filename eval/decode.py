@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from specdraft.data.generate import greedy_tokens
 from specdraft.eval.acceptance import (
     greedy_accept,
     speculative_sample_chain,
@@ -34,7 +35,7 @@ from specdraft.eval.acceptance import (
 )
 from specdraft.eval.drafters import Drafter
 from specdraft.eval.runner import TargetRunner
-from specdraft.eval.sampling import Sampling, greedy_tokens
+from specdraft.eval.sampling import Sampling
 
 
 @dataclass(frozen=True)

@@ -36,11 +36,11 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from specdraft.data.generate import greedy_tokens
 from specdraft.data.target import Target
 from specdraft.eval.acceptance import greedy_accept_tree
 from specdraft.eval.graphs import GraphedStep
 from specdraft.eval.kernels import compiled_step
-from specdraft.eval.sampling import greedy_tokens
 from specdraft.eval.trees import TreeBuffers
 
 # The cache grows in steps of this many positions when a sequence outgrows it (a reallocation and

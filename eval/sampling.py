@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from specdraft.data.generate import greedy_tokens
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -56,10 +58,3 @@ class Sampling:
         if self.greedy:
             return int(greedy_tokens(logits))
         return int(torch.multinomial(self.probs(logits), 1, generator=generator))
-
-
-def greedy_tokens(logits: Tensor) -> Tensor:
-    """...×V -> ... argmax (the first maximum on ties). Plain and speculative decoding both
-    call this, so a tie in bf16 logits is broken the same way; ``max`` is ~3× faster than
-    ``argmax`` on bf16 rows on this CPU."""
-    return logits.max(dim=-1).indices

@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import prefix_chi_squares, rejects
 
+from specdraft.data.generate import greedy_tokens
 from specdraft.eval.acceptance import greedy_accept, speculative_sample_chain, tree_rejection_sample
-from specdraft.eval.sampling import greedy_tokens
 from specdraft.eval.trees import tree_buffers
 
 VOCAB = 4
