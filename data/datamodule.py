@@ -35,6 +35,8 @@ from specdraft.data.target import Target
 
 log = logging.getLogger(__name__)
 
+SUPERVISE = ("assistant", "all")  # FeatureDataModule's choices of trained positions
+
 
 class UniformFeatureNoise:
     """EAGLE's training noise on the features the head reads: ``U(-amplitude, amplitude)`` added
@@ -155,6 +157,11 @@ class FeatureDataModule(L.LightningDataModule):
             the fields asked for (``aux_layers``: the target's EAGLE-3 taps; ``top_k``).
     online: ``conversations`` (a reader's ConversationSet) split by ``heldout_fraction`` /
             ``split_seed`` and rendered to ``max_length`` tokens.
+    supervise: which positions the head is TRAINED to predict: ``assistant`` (the loss mask, as
+            EAGLE and HASS train) or ``all`` (every real token: the target's features and
+            distribution are known at the prompt's tokens too, so they are more of the target to
+            distil, at no data cost). Validation always scores the assistant tokens only, the text
+            a draft head drafts at decode time.
     """
 
     def __init__(
@@ -175,10 +182,13 @@ class FeatureDataModule(L.LightningDataModule):
         seed: int = 0,
         verify_cache: bool = True,
         progress: bool = True,
+        supervise: str = "assistant",
     ) -> None:
         super().__init__()
         if mode not in ("cached", "online"):
             raise ValueError(f"data mode must be 'cached' or 'online', got {mode!r}")
+        if supervise not in SUPERVISE:
+            raise ValueError(f"datamodule.supervise must be one of {list(SUPERVISE)}, got {supervise!r}")
         if mode == "cached" and not (train_cache and val_cache):
             raise ValueError(
                 "mode=cached needs train_cache and val_cache (directories written by specdraft-cache)"
@@ -197,7 +207,7 @@ class FeatureDataModule(L.LightningDataModule):
             noise,
             seed,
         )
-        self.verify_cache, self.progress = verify_cache, progress
+        self.verify_cache, self.progress, self.supervise = verify_cache, progress, supervise
         self.datasets: dict[str, Dataset] = {}
 
     def setup(self, stage: str | None = None) -> None:
@@ -278,7 +288,8 @@ class FeatureDataModule(L.LightningDataModule):
         return self.features_for(batch, training)
 
     def features_for(self, batch: TokenBatch | FeatureBatch, training: bool) -> FeatureBatch:
-        """Online: run the target on the batch; then, when training, apply the noise transform.
+        """Online: run the target on the batch; then, when training, supervise every real token if
+        asked (``supervise="all"``) and apply the noise transform.
         The features sit on the device the batch was delivered to (the head's): online, the
         frozen target moves there once, the first time a batch arrives on another device."""
         if isinstance(batch, TokenBatch):
@@ -289,6 +300,8 @@ class FeatureDataModule(L.LightningDataModule):
                 )
                 self.target.model.to(device)
             batch = extract_features(self.target, batch, self.fields.aux_layer_ids, top_k=self.fields.top_k)
+        if training and self.supervise == "all":
+            batch.loss_mask = batch.attention_mask
         if training and self.noise is not None:
             batch = self.noise(batch, self._noise_generator(batch.hidden.device))
         return batch

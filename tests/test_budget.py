@@ -1,6 +1,6 @@
 """The quickstart's planner (train/budget.py make_plan): the budget split as documented, explicit
-sizes kept, a too-small budget refused with the minutes that would do. The probe itself runs in
-test_quickstart's end-to-end test."""
+sizes kept, a too-small budget refused with the minutes that would do; the probe's step clock.
+The probe itself runs in test_quickstart's end-to-end test."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import re
 from dataclasses import replace
 
 import pytest
+import torch
 
-from specdraft.train.budget import BudgetError, BudgetRules, Throughput, TrainShape, make_plan
+from specdraft.train import budget
+from specdraft.train.budget import BudgetError, BudgetRules, ProbeSettings, Throughput, TrainShape, make_plan
 
 # Rates of the order measured on a 2-core AVX2 EPYC with SmolLM2 (fp32).
 THROUGHPUT = Throughput(
@@ -104,3 +106,39 @@ def test_no_plan_asks_for_more_conversations_than_the_source_holds_and_fractions
     assert whole.train_steps < tenth.train_steps  # a float is the fraction of the held-out split
     with pytest.raises(ValueError, match="val_check_interval must be an int"):
         TrainShape(0.05, 0.5, 8)
+
+
+class _Batch:
+    def __init__(self, positions: int) -> None:
+        self.attention_mask = torch.ones(1, positions)
+
+
+def test_the_probe_times_a_training_step_from_its_start_to_the_next_and_validation_apart(monkeypatch):
+    """The interval between two step starts holds the step AND fetching the next batch (the
+    loader, its transfer, the noise): what the real run spends per step. A validation between two
+    steps is timed on its own, not added to the step before it."""
+    now = [0.0]
+    monkeypatch.setattr(budget.time, "perf_counter", lambda: now[0])
+    clock = budget._StepClock()
+
+    def at(seconds, hook, *args):
+        now[0] = seconds
+        hook(None, None, *args)
+
+    at(0.0, clock.on_train_batch_start, _Batch(100), 0)
+    at(0.4, clock.on_train_batch_end, None, _Batch(100), 0)  # the step's own work ends here…
+    at(1.0, clock.on_train_batch_start, _Batch(200), 1)  # …the next batch was ready only now
+    at(2.5, clock.on_train_batch_start, _Batch(300), 2)
+    at(3.0, clock.on_validation_start)
+    at(3.0, clock.on_validation_batch_start, _Batch(50), 0)
+    at(3.4, clock.on_validation_batch_end, None, _Batch(50), 0)
+    at(9.0, clock.on_train_batch_start, _Batch(400), 3)  # after the validation: a new first step
+    at(9.7, clock.on_train_batch_start, _Batch(500), 4)
+    assert clock.train == [(1.0, 100), (1.5, 200), pytest.approx((0.7, 400))]
+    assert clock.val == [pytest.approx((0.4, 50))]
+
+
+def test_probe_settings_need_a_timed_step_after_the_warm_up():
+    ProbeSettings(regen_new_tokens=2, cache_tokens=100, train_steps=3)
+    with pytest.raises(ValueError, match="train_steps >= 3"):
+        ProbeSettings(regen_new_tokens=2, cache_tokens=100, train_steps=2)

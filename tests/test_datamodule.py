@@ -11,7 +11,7 @@ from specdraft.data.conversations import (
     split_conversations,
 )
 from specdraft.data.datamodule import FeatureDataModule, LengthBucketBatchSampler, UniformFeatureNoise
-from specdraft.data.features import FeatureBatch
+from specdraft.data.features import FeatureBatch, TokenBatch
 
 
 def conversation_set(count=60):
@@ -116,6 +116,29 @@ def test_cached_mode_with_workers(tmp_path, tiny_target):
     batches = [module.features_for(b, training=True) for b in module.train_dataloader()]
     assert sum(int(b.attention_mask.sum()) for b in batches) == sum(len(s.input_ids) for s in samples)
     assert all(b.input_hidden is not None and b.aux is None for b in batches)
+
+
+def test_supervise_all_trains_every_real_token_and_validates_the_assistant_tokens(tiny_target):
+    module = FeatureDataModule(
+        "online",
+        tiny_target,
+        conversations=conversation_set(30),
+        heldout_fraction=0.3,
+        max_batch_tokens=400,
+        supervise="all",
+    )
+    module.setup("fit")
+    tokens = next(iter(module.train_dataloader()))
+    assistant = tokens.loss_mask.clone()
+    assert 0 < int(assistant.sum()) < int(tokens.attention_mask.sum())  # the prompts are not assistant text
+    trained = module.features_for(tokens, training=True)
+    assert torch.equal(trained.loss_mask, tokens.attention_mask)
+    validated = module.features_for(
+        TokenBatch(tokens.input_ids, tokens.attention_mask, assistant), training=False
+    )
+    assert torch.equal(validated.loss_mask, assistant)
+    with pytest.raises(ValueError, match="supervise must be one of"):
+        FeatureDataModule("online", tiny_target, conversations=conversation_set(2), supervise="prompt")
 
 
 def test_bad_configurations_are_clear_errors(tmp_path, tiny_target):

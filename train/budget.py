@@ -60,13 +60,14 @@ class ProbeSettings:
 
     regen_new_tokens: int  # decoding steps timed for regeneration (besides one prefill step)
     cache_tokens: int  # tokens of features computed (and then trained on)
-    train_steps: int  # optimizer steps; the first one (warm-up) is not timed
+    train_steps: int  # optimizer steps, timed start to start: the first and the last are not
 
     def __post_init__(self) -> None:
-        if self.regen_new_tokens < 2 or self.train_steps < 2:
+        if self.regen_new_tokens < 2 or self.train_steps < 3:
             raise ValueError(
-                "budget.probe: regen_new_tokens and train_steps must be >= 2 (the first step of each "
-                f"is not timed), got {self.regen_new_tokens} and {self.train_steps}"
+                "budget.probe: regen_new_tokens must be >= 2 (the first step is not timed) and "
+                "train_steps >= 3 (timed start to start, the first is not timed and the last has no "
+                f"next start), got {self.regen_new_tokens} and {self.train_steps}"
             )
 
 
@@ -440,34 +441,44 @@ def _probe_cache(
 
 
 class _StepClock(L.Callback):
-    """Wall seconds and padded positions (B × T) of every training and validation batch."""
+    """Wall seconds and padded positions (B × T) of every training step and validation batch.
+
+    A training step is timed from its start to the next one's, as the real run spends it: the
+    optimizer step, the end-of-step hooks, and fetching, transferring and transforming (noise) the
+    next batch. Timed from its start to its own end instead, the probe saw 0.60 s per step where
+    the quickstart's training then took 0.83 (run qs-data50-amx, docs/results.md). A validation
+    between two steps is not part of the step (it is timed apart)."""
 
     def __init__(self) -> None:
         self.train: list[tuple[float, int]] = []
         self.val: list[tuple[float, int]] = []
-        self._started = 0.0
+        self._step: tuple[float, int] | None = None  # (start, positions) of the running step
+        self._val_started = 0.0
 
-    def _start(self, *_: Any) -> None:
-        self._started = time.perf_counter()
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        now = time.perf_counter()
+        if self._step is not None:
+            started, positions = self._step
+            self.train.append((now - started, positions))
+        self._step = (now, batch.attention_mask.numel())
 
-    def _end(self, into: list, batch: Any) -> None:
-        into.append((time.perf_counter() - self._started, batch.attention_mask.numel()))
+    def on_validation_start(self, trainer, module) -> None:
+        self._step = None
 
-    on_train_batch_start = on_validation_batch_start = _start
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        self._end(self.train, batch)
+    def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0) -> None:
+        self._val_started = time.perf_counter()
 
     def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        self._end(self.val, batch)
+        self.val.append((time.perf_counter() - self._val_started, batch.attention_mask.numel()))
 
 
 def _probe_training(
     train_cfg: DictConfig, target: Target, cache_dir: Path, steps: int, workdir: Path
 ) -> tuple[float, int, float]:
-    """(median seconds of an optimizer step after the first, scaled to a full batch; the full
-    batch's positions; validation positions/s): the experiment's head, objective, optimizer and
-    precision on the probe's cache."""
+    """(median seconds of an optimizer step after the first, start to start, scaled to a full
+    batch; the full batch's positions; validation positions/s): the experiment's head, objective,
+    optimizer, precision and data loader on the probe's cache. ``steps`` >= 3: the first
+    interval (the warm-up) is not timed, and the last step has no next start."""
     cfg = train_cfg.copy()
     cfg.datamodule.train_cache = cfg.datamodule.val_cache = str(cache_dir)
     features_for_objective(cfg)
