@@ -95,6 +95,11 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-probe-amx": (
+        "qs-probe-amx",
+        "make run (fresh clone of 08419f4: install + specdraft-quickstart, budget_minutes=45; today's "
+        "defaults: the probe times training steps start to start) on an AMX-bf16 CPU",
+    ),
     "qs-data50-amx": (
         "qs-data50-amx",
         "make run (fresh clone of 0d30461: install + specdraft-quickstart, budget_minutes=45; today's "
@@ -192,6 +197,16 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-probe-amx": (
+        "2026-11-25, `time make run` in a fresh clone of commit 08419f4, alone on the machine: 40:07 "
+        "wall in all, of which the quickstart 39:02 of its 45-minute budget. The plan: 1,317 "
+        "conversations, 1,329 training steps of 4,096 positions (probed at 0.61 s each, start to "
+        "start), a 9-minute eval box; training took 1.10× its ETA (qs-data50-amx, probed start to "
+        "end: 1.28×, cut by its time guard) and ran all its steps. This machine ran slower than on "
+        "the day of qs-data50-amx (plain decoding 18.7 against 21.9 tokens/s, regeneration 388 against "
+        "406), so its plan bought fewer conversations and steps. Outputs copied from that clone's run "
+        "`quickstart` under this run name."
+    ),
     "qs-data50-amx": (
         "2026-11-25, `time make run` in a fresh clone of commit 0d30461, alone on the machine: 44:02 "
         "wall in all, of which the quickstart 43:06 of its 45-minute budget. The plan: 1,553 "
