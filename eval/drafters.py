@@ -138,6 +138,44 @@ class _Growth:
         return Draft(tokens, tree)
 
 
+@dataclass(frozen=True)
+class _DynamicLayout:
+    """What every round of a dynamic tree's growth on tensors shares, built once per shape: the
+    candidates are numbered as they are created (the root, the top_k depth-1 nodes, then top_k²
+    children per expansion), so these never change."""
+
+    identity: Tensor  # count×count bool
+    start: Tensor  # count×count bool, the ancestor matrix before any expansion
+    first_frontier: Tensor  # top_k: the depth-1 nodes
+    children: tuple[Tensor, ...]  # per expansion (depth − 1 of them), the top_k² nodes it creates
+    children_self: tuple[Tensor, ...]  # per expansion, top_k²×count bool: each of them sees itself
+    own: Tensor  # top_k×top_k bool: frontier node i's own draft entry among this expansion's
+    no_entries: Tensor  # top_k×0 bool: the depth-1 nodes see no draft entries
+    root: Tensor  # 1 int64: node 0
+
+    @classmethod
+    def of(cls, shape: DynamicTree, device: torch.device) -> _DynamicLayout:
+        k = shape.top_k
+        count = 1 + k + (shape.depth - 1) * k * k
+        identity = torch.eye(count, dtype=torch.bool, device=device)
+        start = identity.clone()  # every node sees itself
+        start[1 : k + 1, 0] = True  # the depth-1 nodes descend from the root
+        children = tuple(
+            torch.arange(1 + k + e * k * k, 1 + k + (e + 1) * k * k, device=device)
+            for e in range(shape.depth - 1)
+        )
+        return cls(
+            identity,
+            start,
+            torch.arange(1, k + 1, device=device),
+            children,
+            tuple(identity[nodes] for nodes in children),
+            torch.eye(k, dtype=torch.bool, device=device),
+            torch.zeros(k, 0, dtype=torch.bool, device=device),
+            torch.zeros(1, dtype=torch.long, device=device),
+        )
+
+
 class Drafter:
     """Shared bookkeeping: the committed history, the score filter, the chain threshold."""
 
@@ -297,6 +335,7 @@ class FeatureHeadDrafter(Drafter):
         spec = head.spec
         self.kv = torch.zeros(2, 1, spec.num_kv_heads, 0, spec.head_dim, dtype=self.dtype, device=self.device)
         self._slots = 0  # draft entries written after the committed ones this round
+        self._layouts: dict[DynamicTree, _DynamicLayout] = {}
         self.reset()
 
     @property
@@ -324,11 +363,10 @@ class FeatureHeadDrafter(Drafter):
         self, features: Tensor, tokens: Tensor, positions: Tensor, write_index: Tensor, mask: Tensor
     ) -> Tensor:
         """One static head step over n positions: features 1×n×H, tokens and positions 1×n,
-        write_index n (where their entries go), mask n×(capacity+n) additive (the whole cache,
-        then these n). Writes their entries; returns their outputs 1×n×H."""
-        out, key, value = self._step(features, tokens, positions, mask, self.kv[0], self.kv[1])
-        self.kv[0].index_copy_(2, write_index, key)
-        self.kv[1].index_copy_(2, write_index, value)
+        write_index n (where their entries go), mask n×capacity additive (over the whole cache,
+        these n entries included: they are written before the attention reads it). Returns
+        their outputs 1×n×H."""
+        out, _, _ = self._step(features, tokens, positions, mask, self.kv[0], self.kv[1], write_index)
         return out
 
     def _draft_log_probs(self, outputs: Tensor) -> Tensor:
@@ -351,20 +389,18 @@ class FeatureHeadDrafter(Drafter):
         root_output = out.index_select(1, last.view(1))
         return self._draft_log_probs(root_output[0]), root_output
 
-    def _mask(self, past: int | Tensor, sees_drafts: Tensor | None, sees_own: Tensor) -> Tensor:
-        """n×(capacity+n) additive: every committed entry (< ``past``, an int or a 0-dim tensor),
-        the draft entries of this round each row sees (n×S bool, written at past..past+S), and
-        these n (n×n bool)."""
-        n, capacity = len(sees_own), self.kv.shape[-2]
-        mask = torch.full((n, capacity + n), float("-inf"), dtype=self.dtype, device=self.device)
-        mask[:, :capacity].masked_fill_(torch.arange(capacity, device=self.device) < past, 0)
-        if sees_drafts is not None:
-            slots = sees_drafts.shape[1]
-            columns = (past + torch.arange(slots, device=self.device)).expand(n, slots)
-            seen = torch.full((n, slots), float("-inf"), dtype=self.dtype, device=self.device)
-            mask.scatter_(1, columns, seen.masked_fill_(sees_drafts, 0))
-        mask[:, capacity:].masked_fill_(sees_own, 0)
-        return mask
+    def _mask(self, past: int | Tensor, visible: Tensor) -> Tensor:
+        """n×capacity additive: every committed entry (< ``past``, an int or a 0-dim tensor), and
+        of this round's entries at past, past+1, … (the draft entries written so far, then the n
+        being written) the ones ``visible`` (n×m bool) marks."""
+        n, m, capacity = *visible.shape, self.kv.shape[-2]
+        columns = torch.arange(capacity, device=self.device)
+        mask = torch.full((n, capacity), float("-inf"), dtype=self.dtype, device=self.device)
+        mask.masked_fill_(columns < past, 0)
+        seen = torch.full((n, m), float("-inf"), dtype=self.dtype, device=self.device).masked_fill_(
+            visible, 0
+        )
+        return mask.scatter_(1, (past + columns[:m]).expand(n, m), seen)
 
     @torch.no_grad()
     def commit(self, tokens: list[int], target: TargetOutput, next_token: int) -> None:
@@ -394,7 +430,7 @@ class FeatureHeadDrafter(Drafter):
         n = len(following)
         written = past + torch.arange(n, device=self.device)
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
-        inputs = [following[None], written[None], written, self._mask(past, None, causal), last]
+        inputs = [following[None], written[None], written, self._mask(past, causal), last]
         return inputs + [x.to(self.dtype)[None] for x in (hidden, aux) if x is not None]
 
     def _expand(
@@ -415,7 +451,9 @@ class FeatureHeadDrafter(Drafter):
         n, slots = len(tokens), self._slots
         write_index = past + slots + torch.arange(n, device=self.device)
         positions = (past - 1 + depth) + torch.zeros(1, n, dtype=torch.long, device=self.device)
-        mask = self._mask(past, ancestors, torch.eye(n, dtype=torch.bool, device=self.device))
+        # Each node sees the entries of its ancestors drafted earlier this round, and its own.
+        visible = torch.cat([ancestors, torch.eye(n, dtype=torch.bool, device=self.device)], dim=1)
+        mask = self._mask(past, visible)
         step = self._expand_graph if graphed else self._expand_step
         log_probs, out = step(features, tokens[None], positions, write_index, mask)
         self._slots += n
@@ -556,22 +594,25 @@ class FeatureHeadDrafter(Drafter):
         top_k² children per depth — so a node's ancestors always come first and row i of
         ``ancestors`` (ancestors and itself) lists node i's path in order."""
         k, device = shape.top_k, self.device
-        count = 1 + k + (shape.depth - 1) * k * k
+        layout = self._layouts.get(shape)
+        if layout is None:
+            layout = self._layouts[shape] = _DynamicLayout.of(shape, device)
+        count = len(layout.identity)
         # No Python scalars written into device tensors by indexing (a copy from the host, which a
         # CUDA capture forbids): fills, and masks built on the device.
-        identity = torch.eye(count, dtype=torch.bool, device=device)
         tokens = torch.zeros(count, dtype=torch.long, device=device)
         tokens[0].fill_(root)
         scores = torch.zeros(count, dtype=torch.float32, device=device)
-        ancestors = identity.clone()  # every node sees itself
-        ancestors[1 : k + 1, 0].fill_(True)  # the depth-1 nodes descend from the root
+        ancestors = layout.start.clone()
         top = root_log_probs.topk(k)
-        frontier = torch.arange(1, k + 1, device=device)
+        frontier = layout.first_frontier
         tokens[frontier], scores[frontier] = self.to_target[top.indices], top.values
         features = root_output.expand(1, k, -1)
-        frontier_sees = torch.zeros(k, 0, dtype=torch.bool, device=device)  # earlier draft entries
+        frontier_sees = layout.no_entries  # the draft entries of this round each frontier node sees
         created = 1 + k
-        for depth in range(1, shape.depth):
+        for depth, (children, children_self) in enumerate(
+            zip(layout.children, layout.children_self, strict=True), start=1
+        ):
             contexts = (
                 [[*self.history, *tokens[ancestors[n]].tolist()] for n in frontier.tolist()]
                 if self.score_filter
@@ -582,24 +623,22 @@ class FeatureHeadDrafter(Drafter):
             )
             top = log_probs.topk(k, dim=-1)  # k×k: each frontier node's best children
             child_scores = (scores[frontier, None] + top.values).flatten()
-            children = torch.arange(created, created + k * k, device=device)
             created += k * k
             tokens[children] = self.to_target[top.indices.flatten()]
             scores[children] = child_scores
             parent_rows = ancestors[frontier, None].expand(k, k, count).reshape(k * k, count)
-            ancestors[children] = parent_rows | identity[children]
+            ancestors[children] = parent_rows | children_self
             # The next frontier: the k best children overall, in creation order.
             best = child_scores.topk(k).indices.sort().values
             parent_row = best // k
             frontier = children[best]
             features = out[:, parent_row]
-            own_entries = torch.eye(k, dtype=torch.bool, device=device)[parent_row]
-            frontier_sees = torch.cat([frontier_sees[parent_row], own_entries], dim=1)
+            frontier_sees = torch.cat([frontier_sees[parent_row], layout.own[parent_row]], dim=1)
         # Global rerank: the total_tokens − 1 best candidates. A stable sort keeps a parent
         # (created first, never lower-scored) ahead of its children, so the kept set is a tree.
         keep = min(shape.total_tokens - 1, created - 1)
         order = torch.sort(scores[1:created], descending=True, stable=True).indices[:keep] + 1
-        nodes = torch.cat([torch.zeros(1, dtype=torch.long, device=device), order.sort().values])
+        nodes = torch.cat([layout.root, order.sort().values])
         return tokens[nodes], ancestors[nodes][:, nodes]
 
 

@@ -135,6 +135,7 @@ class FeatureHead(DraftHead):
         mask: Tensor | AlignedMask | None,
         past_key: Tensor | None = None,
         past_value: Tensor | None = None,
+        cache_index: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """One draft step over n positions.
 
@@ -146,10 +147,13 @@ class FeatureHead(DraftHead):
                    causal over the n positions (no past); an AlignedMask: a rollout step's pattern
                    over the earlier levels' K/V as past
         past_*     B×kv_heads×P×head_dim: KV cache, or the K/V of earlier rollout levels
+        cache_index n      decoding: past_* are a preallocated cache of P entries; these n
+                           positions' keys/values are written into it there, and the mask covers
+                           the P entries alone (B×1×n×P)
         Returns (output B×n×H — the next feature; key, value B×kv_heads×n×head_dim of these n).
         """
         attention_input, residual = self.attention_inputs(features, token_ids)
-        return self.layer(attention_input, residual, positions, mask, past_key, past_value)
+        return self.layer(attention_input, residual, positions, mask, past_key, past_value, cache_index)
 
 
 class EagleHead(FeatureHead):

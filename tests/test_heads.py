@@ -173,3 +173,36 @@ def test_head_rebuilds_from_its_state(spec, weights, kind):
     state.pop(next(k for k in state if k.endswith(".weight")))
     with pytest.raises(RuntimeError, match="Missing key"):
         head_from_state(kind, config, spec, weights, state)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_step_writing_into_a_preallocated_cache_equals_one_given_the_past(spec, weights, kind):
+    """Decoding writes a step's keys/values into the head's cache at ``cache_index`` and attends
+    over the whole cache under a mask; it must equal the step that is given the past and
+    concatenates (training's path): same outputs, same new keys/values, now in the cache."""
+    torch.manual_seed(0)
+    head = (EagleHead(spec, weights) if kind == "eagle" else Eagle3Head(spec, weights)).eval()
+    past, n, capacity = 5, 3, 12
+    kv_shape = (1, spec.num_kv_heads, capacity, spec.head_dim)
+    cache_key, cache_value = torch.randn(kv_shape), torch.randn(kv_shape)  # junk beyond the past
+    features = torch.randn(1, n, spec.hidden_size)
+    tokens = torch.randint(0, spec.vocab_size, (1, n))
+    positions = past + torch.arange(n)[None]
+    with torch.no_grad():
+        expected = head.step(
+            features,
+            tokens,
+            positions,
+            causal_mask(n, past=past),
+            cache_key[:, :, :past],
+            cache_value[:, :, :past],
+        )
+        # The new entries go to the middle of the cache; the junk after them stays masked.
+        mask = torch.full((n, capacity), float("-inf"))
+        mask[:, :past] = 0
+        mask[:, past : past + n] = causal_mask(n)
+        written = head.step(features, tokens, positions, mask, cache_key, cache_value, past + torch.arange(n))
+    for got, want in zip(written, expected, strict=True):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(cache_key[:, :, past : past + n], expected[1])
+    torch.testing.assert_close(cache_value[:, :, past : past + n], expected[2])
