@@ -889,12 +889,17 @@ def sweep_snapshot() -> dict | None:
     report = read_json(report_dir / "runs.json")
     if report is None:
         return None
-    points, steps = [], None
+    points, steps, training = [], None, None
     for row in report["runs"]:
         run_dir = Path(row["run"])
         summary = read_json(run_dir / "summary.json") or {}
         config = yaml.safe_load((run_dir / "run_config.yaml").read_text())
-        steps = config["trainer"]["max_steps"]  # the same for every point
+        steps = config["trainer"]["max_steps"]  # these are the same for every point
+        training = {
+            "data": run_data(run_dir),
+            "precision": config["trainer"]["precision"],
+            "batch_tokens": config["datamodule"]["max_batch_tokens"],
+        }
         points.append(
             {
                 "values": {key: row[key] for key in report["swept"]},
@@ -908,6 +913,7 @@ def sweep_snapshot() -> dict | None:
         "machine": read_json(report_dir / "machine.json"),
         "swept": report["swept"],
         "steps": steps,
+        "training": training,
         "points": points,
     }
 
@@ -1341,12 +1347,20 @@ def sweep_section() -> list[str] | None:
         return None
     swept, points = snapshot["swept"], snapshot["points"]
     machine = machine_line(snapshot) if snapshot.get("machine") else "not recorded"
+    training = snapshot.get("training")  # older snapshots did not record it
+    how = (
+        f"{snapshot['steps']} steps of ≤ {training['batch_tokens']:,} positions in {training['precision']} "
+        f"over the features of {data_text(training['data'])} (its held-out split for validation)"
+        if training
+        else f"{snapshot['steps']} steps"
+    )
     lines = [
         f"Machine: {machine}. ONE Hydra multirun (`python scripts/results.py --stages sweep`), W&B "
         "logging offline (no network here: W&B's own sweep controller cannot run, see the README), "
-        f"then `specdraft-sweep-report`. Every point: a HASS head trained as in the ablation above "
-        f"({snapshot['steps']} steps, same batches and vocabulary), the other weights as in "
-        "conf/loss/hass.yaml. Best and final held-out simulated τ; held-out acc_1..4 of the final weights.",
+        f"then `specdraft-sweep-report`. Every point: a HASS head trained with the ablation's recipe "
+        f"(its schedule, batch order and {ABLATION_VOCAB:,}-token vocabulary): {how}; the weights not "
+        "swept as in conf/loss/hass.yaml. Best and final held-out simulated τ; held-out acc_1..4 of "
+        "the final weights.",
         "",
         "| " + " | ".join(swept) + " | best simulated τ | final simulated τ | final acc_1..4 |",
         "|" + "---|" * (len(swept) + 3),

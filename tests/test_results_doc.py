@@ -476,20 +476,29 @@ def test_ablation_section_with_trained_heads_only(results, tmp_path: Path) -> No
 def test_sweep_section_from_the_sweep_report(results, tmp_path: Path) -> None:
     sweep = results.RESULTS / "sweeps" / results.SWEEP_NAME
     rows = []
+    cache = tmp_path / "features" / "train"
+    write(cache / "manifest.json", {"num_samples": 1298, "num_tokens": 370123})
     for topk, best in ((0.5, 1.41), (2.0, 1.45)):
         run = sweep / f"loss.weights.topk={topk}"
         final = {"val/acc_1": 0.35, "val/acc_2": 0.27, "val/sim_tau": best - 0.01}
         write(run / "summary.json", {"final_val": final, "tokens_seen": 1105999})
         loss = {"weights": {"topk": topk, "topk_k": 10}, "rollout": {"steps": 3, "step_weight_base": 0.5}}
-        (run / "run_config.yaml").write_text(json.dumps({"trainer": {"max_steps": 300}, "loss": loss}))
+        config = {
+            "trainer": {"max_steps": 300, "precision": "bf16-mixed"},
+            "datamodule": {"max_batch_tokens": 4096, "train_cache": str(cache)},
+            "loss": loss,
+        }
+        (run / "run_config.yaml").write_text(json.dumps(config))
         rows.append({"run": str(run), "loss.weights.topk": topk, "val/sim_tau": best})
     report = {"metric": "val/sim_tau", "swept": ["loss.weights.topk"], "runs": rows[::-1]}
     write(sweep / "report" / "runs.json", report)
     write(sweep / "report" / "machine.json", MACHINE)
     results.doc()
     text = (tmp_path / "docs" / "results.md").read_text()
+    assert "Machine: 2026-11-24, AMD EPYC (avx2)" in text
     assert (
-        "Machine: 2026-11-24, AMD EPYC (avx2)" in text and "(300 steps, same batches and vocabulary)" in text
+        "300 steps of ≤ 4,096 positions in bf16-mixed over the features of 1298 conversations, "
+        "370,123 tokens" in text
     )
     assert "| loss.weights.topk | best simulated τ | final simulated τ | final acc_1..4 |" in text
     assert "| 2.0 | 1.450 | 1.440 | 0.350 / 0.270 |" in text
