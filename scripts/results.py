@@ -167,6 +167,9 @@ FIRST_STAGE_SUFFIX = "_stage1"  # the first stage's run: RESULTS/train/<head><th
 # The HASS loss-weight sweep (stage sweep): the Top-K weight w and β on a grid narrowed to a CPU
 # session (K = 10 and n = 3 as in conf/loss/hass.yaml); --sweep key=v1,v2 … replaces it.
 SWEEP_NAME = "hass-weights"
+# The sweep's yardstick: EAGLE trained with the same recipe, data and steps (RESULTS/train/<this>).
+SWEEP_REFERENCE = "hass-weights-eagle"
+SWEEP_DEPTH_JSON = "depth_acceptance.json"  # in the sweep report's directory
 SWEEP_GRID = {"loss.weights.topk": "0.5,1.0,2.0", "loss.rollout.step_weight_base": "0.5,1.0"}
 SWEEP_SNAPSHOT = "sweep.json"
 # the heads of the first (equal wall-clock) ablation, in its table's order
@@ -515,6 +518,26 @@ def sweep(steps: int, features: Path | None, grid: dict[str, str], placement: Pl
     sweep_dir = RESULTS / "sweeps" / SWEEP_NAME
     command("specdraft-sweep-report", str(sweep_dir), f"--out={sweep_dir / 'report'}")
     write_json_atomic(sweep_dir / "report" / "machine.json", machine_info())
+    # Whether any weighting beats plain EAGLE training on the same tokens, and why (the depth gap).
+    reference = RESULTS / "train" / SWEEP_REFERENCE
+    if not (reference / "summary.json").is_file():
+        command(
+            "specdraft-train",
+            *ablation_overrides(SWEEP_REFERENCE, steps, features, placement, recipe_of="eagle"),
+        )
+    points = [
+        Path(row["run"]) for row in json.loads((sweep_dir / "report" / "runs.json").read_text())["runs"]
+    ]
+    depth_path = sweep_dir / "report" / SWEEP_DEPTH_JSON
+    measured = (read_json(depth_path) or {"runs": {}})["runs"]
+    if any(run.name not in measured for run in [reference, *points]):
+        command(
+            "specdraft-depth-acceptance",
+            str(reference),  # first: every point's chain τ is compared with it
+            *map(str, points),
+            f"--depth={DEPTH_STEPS}",
+            f"--out={depth_path}",
+        )
 
 
 def decoder(checkpoint: str | None, per_category: int, placement: Placement) -> None:
@@ -813,23 +836,18 @@ def ablation_snapshot() -> dict | None:
     }
 
 
-def depth_snapshot(depth: dict | None) -> dict | None:
-    """The depth measurement as committed: each head's chain τ (own features) against EAGLE-2's
-    with an interval paired by held-out conversation, in place of the per-conversation counts it
-    rests on; no local paths."""
+def depth_snapshot(depth: dict | None, reference_name: str = ABLATION_REFERENCE) -> dict | None:
+    """The depth measurement as committed: each head's chain τ (own features) against the
+    reference's (EAGLE's) with an interval paired by held-out conversation, in place of the
+    per-conversation counts it rests on; no local paths."""
     if depth is None:
         return None
-    reference = depth["runs"].get(ABLATION_REFERENCE)
+    reference = depth["runs"].get(reference_name)
     for name, run in depth["runs"].items():
         for key in ("checkpoint", "val_cache"):
             if run.get(key):
                 run[key] = Path(run[key]).name
-        if (
-            name != ABLATION_REFERENCE
-            and reference
-            and "conversations" in run
-            and "conversations" in reference
-        ):
+        if name != reference_name and reference and "conversations" in run and "conversations" in reference:
             run["against_reference"] = paired_chain_bootstrap(run, reference)
     for run in depth["runs"].values():
         run.pop("conversations", None)
@@ -902,6 +920,7 @@ def sweep_snapshot() -> dict | None:
         }
         points.append(
             {
+                "run": run_dir.name,
                 "values": {key: row[key] for key in report["swept"]},
                 "best_sim_tau": row[report["metric"]],
                 "final_val": summary.get("final_val") or {},
@@ -909,12 +928,17 @@ def sweep_snapshot() -> dict | None:
                 "loss": {"weights": config["loss"]["weights"], "rollout": config["loss"]["rollout"]},
             }
         )
+    reference = read_json(RESULTS / "train" / SWEEP_REFERENCE / "summary.json")
     return {
         "machine": read_json(report_dir / "machine.json"),
         "swept": report["swept"],
         "steps": steps,
         "training": training,
         "points": points,
+        "reference": None
+        if reference is None
+        else {"best_sim_tau": reference["best_sim_tau"], "final_val": reference.get("final_val") or {}},
+        "depth": depth_snapshot(read_json(report_dir / SWEEP_DEPTH_JSON), SWEEP_REFERENCE),
     }
 
 
@@ -1284,50 +1308,56 @@ def ablation_section() -> list[str] | None:
                 )
     depth = snapshot.get("depth")
     if depth:
+        lines += ["", *depth_table(depth, list(ABLATION), ABLATION_REFERENCE, "EAGLE-2")]
+    return [*lines, ""]
+
+
+def depth_table(depth: dict, names: list[str], reference: str, reference_label: str) -> list[str]:
+    """The depth measurement's table (``names`` in order, the runs measured), with each head's own
+    chain τ against ``reference``'s and the intervals' note."""
+    lines = [
+        "The mechanism (`specdraft-depth-acceptance`): greedy chain acceptance per depth on the "
+        "held-out split, the head reading its OWN features at depth ≥ 2 (as when decoding) against "
+        "the target's (as plain EAGLE training assumes); gap = target − own.",
+        "",
+        f"| head | α own features d1..d{depth['depth']} | α target features d1..d{depth['depth']} "
+        f"| gap d2..d{depth['depth']} | chain τ own / target | own chain τ ÷ {reference_label} "
+        f"[{CONFIDENCE:.0%} CI] |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in (name for name in names if name in depth["runs"]):
+        run = depth["runs"][name]
+        own, target = run["own_features"], run["target_features"]
+        versus = run.get("against_reference")
+        ratio = (
+            "{estimate:.3f} [{low:.3f}, {high:.3f}]".format(**versus["ratio"])
+            if versus
+            else "1 (reference)"
+            if name == reference
+            else "–"
+        )
+        lines.append(
+            f"| {name} | {rates(own['acceptance_per_depth'])} "
+            f"| {rates(target['acceptance_per_depth'])} | "
+            f"{rates(run['gap_per_depth'][1:])} | {own['chain_tau']:.3f} / {target['chain_tau']:.3f} "
+            f"| {ratio} |"
+        )
+    conversations = next(
+        (
+            run["against_reference"]["conversations"]
+            for run in depth["runs"].values()
+            if "against_reference" in run
+        ),
+        None,
+    )
+    if conversations:
         lines += [
             "",
-            "The mechanism (`specdraft-depth-acceptance`): greedy chain acceptance per depth on the "
-            "held-out split, the head reading its OWN features at depth ≥ 2 (as when decoding) against "
-            "the target's (as plain EAGLE training assumes); gap = target − own.",
-            "",
-            f"| head | α own features d1..d{depth['depth']} | α target features d1..d{depth['depth']} "
-            f"| gap d2..d{depth['depth']} | chain τ own / target | own chain τ ÷ EAGLE-2 "
-            f"[{CONFIDENCE:.0%} CI] |",
-            "|---|---|---|---|---|---|",
+            f"Intervals: {CONFIDENCE:.0%} percentile bootstrap over the {conversations} held-out "
+            f"conversations, paired with {reference_label} (each resample sums both heads' chain counts "
+            "over the drawn conversations and recomputes α per depth and chain τ from the sums).",
         ]
-        for name in (name for name in ABLATION if name in depth["runs"]):
-            run = depth["runs"][name]
-            own, target = run["own_features"], run["target_features"]
-            versus = run.get("against_reference")
-            ratio = (
-                "{estimate:.3f} [{low:.3f}, {high:.3f}]".format(**versus["ratio"])
-                if versus
-                else "1 (reference)"
-                if name == ABLATION_REFERENCE
-                else "–"
-            )
-            lines.append(
-                f"| {name} | {rates(own['acceptance_per_depth'])} "
-                f"| {rates(target['acceptance_per_depth'])} | "
-                f"{rates(run['gap_per_depth'][1:])} | {own['chain_tau']:.3f} / {target['chain_tau']:.3f} "
-                f"| {ratio} |"
-            )
-        conversations = next(
-            (
-                run["against_reference"]["conversations"]
-                for run in depth["runs"].values()
-                if "against_reference" in run
-            ),
-            None,
-        )
-        if conversations:
-            lines += [
-                "",
-                f"Intervals: {CONFIDENCE:.0%} percentile bootstrap over the {conversations} held-out "
-                "conversations, paired with EAGLE-2 (each resample sums both heads' chain counts over "
-                "the drawn conversations and recomputes α per depth and chain τ from the sums).",
-            ]
-    return [*lines, ""]
+    return lines
 
 
 def suite_prompts(methods: dict[str, dict]) -> int:
@@ -1360,18 +1390,28 @@ def sweep_section() -> list[str] | None:
         f"then `specdraft-sweep-report`. Every point: a HASS head trained with the ablation's recipe "
         f"(its schedule, batch order and {ABLATION_VOCAB:,}-token vocabulary): {how}; the weights not "
         "swept as in conf/loss/hass.yaml. Best and final held-out simulated τ; held-out acc_1..4 of "
-        "the final weights.",
+        "the final weights."
+        + (
+            " The last row: an EAGLE head trained with the same recipe, data and steps, the yardstick "
+            "each setting has to beat."
+            if snapshot.get("reference")  # older snapshots lack it
+            else ""
+        ),
         "",
         "| " + " | ".join(swept) + " | best simulated τ | final simulated τ | final acc_1..4 |",
         "|" + "---|" * (len(swept) + 3),
     ]
-    for point in points:
-        final = point["final_val"]
+    reference = snapshot.get("reference")
+    rows = [([str(point["values"][key]) for key in swept], point) for point in points]
+    if reference is not None:
+        rows.append((["EAGLE (no Top-K, no alignment)", *["–"] * (len(swept) - 1)], reference))
+    for cells, run in rows:
+        final = run["final_val"]
         accs = " / ".join(f"{final[key]:.3f}" for key in sorted(final) if key.startswith("val/acc_"))
         lines.append(
             "| "
-            + " | ".join(str(point["values"][key]) for key in swept)
-            + f" | {point['best_sim_tau']:.3f} | {final.get('val/sim_tau', float('nan')):.3f} | {accs} |"
+            + " | ".join(cells)
+            + f" | {run['best_sim_tau']:.3f} | {final.get('val/sim_tau', float('nan')):.3f} | {accs} |"
         )
     lines.append("")
     runs = [{"config": point["values"], "metric": point["best_sim_tau"]} for point in points]
@@ -1379,6 +1419,10 @@ def sweep_section() -> list[str] | None:
         name = f"results_sweep_{parameter.replace('.', '_')}.png"
         plot_sweep(runs, parameter, "best held-out simulated τ", DOCS / name)
         lines += [f"![best held-out simulated τ against {parameter}]({name})", ""]
+    depth = snapshot.get("depth")
+    if depth:
+        names = [SWEEP_REFERENCE, *(point["run"] for point in points if "run" in point)]
+        lines += [*depth_table(depth, names, SWEEP_REFERENCE, "EAGLE"), ""]
     return lines
 
 

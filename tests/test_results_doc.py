@@ -490,6 +490,11 @@ def test_sweep_section_from_the_sweep_report(results, tmp_path: Path) -> None:
         }
         (run / "run_config.yaml").write_text(json.dumps(config))
         rows.append({"run": str(run), "loss.weights.topk": topk, "val/sim_tau": best})
+    reference = {
+        "best_sim_tau": 1.43,
+        "final_val": {"val/acc_1": 0.33, "val/acc_2": 0.2, "val/sim_tau": 1.42},
+    }
+    write(results.RESULTS / "train" / results.SWEEP_REFERENCE / "summary.json", reference)
     report = {"metric": "val/sim_tau", "swept": ["loss.weights.topk"], "runs": rows[::-1]}
     write(sweep / "report" / "runs.json", report)
     write(sweep / "report" / "machine.json", MACHINE)
@@ -502,6 +507,7 @@ def test_sweep_section_from_the_sweep_report(results, tmp_path: Path) -> None:
     )
     assert "| loss.weights.topk | best simulated τ | final simulated τ | final acc_1..4 |" in text
     assert "| 2.0 | 1.450 | 1.440 | 0.350 / 0.270 |" in text
+    assert "| EAGLE (no Top-K, no alignment) | 1.430 | 1.420 | 0.330 / 0.200 |" in text
     assert (tmp_path / "docs" / "results_sweep_loss_weights_topk.png").read_bytes()[:4] == b"\x89PNG"
     shutil.rmtree(results.LOG_DIR)  # the snapshot alone renders the same section
     results.doc()

@@ -96,6 +96,25 @@ def test_resume_continues_exactly(tmp_path):
         torch.testing.assert_close(b["state_dict"][name], tensor, rtol=0, atol=0, msg=name)
 
 
+def test_a_finished_run_run_again_changes_nothing(tmp_path):
+    """Re-running a finished run (a sweep or a results stage re-run) returns its summary and
+    leaves every file as it was: resuming the fit would rewrite the summary with a zero-second fit
+    and a stale best."""
+    cfg = compose_train(tmp_path, "experiment=eagle", "debug=smoke", "trainer.max_steps=2")
+    summary = train(cfg)
+    files = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    with mock.patch.object(L.Trainer, "fit", side_effect=AssertionError("fitted again")):
+        assert train(cfg) == summary
+    assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == files
+    # Asked for more steps (max_steps is resume_ignore'd), it goes on.
+    assert (
+        train(compose_train(tmp_path, "experiment=eagle", "debug=smoke", "trainer.max_steps=3"))[
+            "global_step"
+        ]
+        == 3
+    )
+
+
 def test_a_changed_config_never_continues_an_old_run(tmp_path):
     train(compose_train(tmp_path, "experiment=eagle", "debug=smoke", "trainer.max_steps=2"))
     before = (tmp_path / "checkpoints" / "last.ckpt").read_bytes()

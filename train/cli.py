@@ -15,6 +15,7 @@ Re-running a command resumes its run dir (``${paths.log_dir}/train/${run_name}``
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -58,6 +59,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     features_for_objective(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resume_from = prepare_run_dir(run_dir, resolved, cfg.resume, list(cfg.resume_ignore))
+    finished = finished_summary(run_dir, cfg.trainer.max_steps) if resume_from else None
+    if finished is not None:
+        # Fitting again from the last checkpoint would rewrite the summary with a zero-second fit
+        # and the checkpoint callback's stale best (seen re-running a finished sweep).
+        log.info("%s finished its %d steps already: nothing to do", run_dir, finished["global_step"])
+        return finished
     # The stored config keeps `auto`; the value it resolves to follows the machine this run is on.
     precision = start(
         "specdraft-train", cfg.threads, cfg.target, cfg.trainer.precision, str(cfg.trainer.accelerator)
@@ -108,6 +115,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         write_json_atomic(run_dir / "summary.json", summary)
         log.info("summary: %s", summary)
     return summary
+
+
+def finished_summary(run_dir: Path, max_steps: int | None) -> dict[str, Any] | None:
+    """The summary of a run that reached ``max_steps`` (written when a run ends), or None: a run
+    limited by time alone, or not finished, goes on."""
+    path = run_dir / "summary.json"
+    if max_steps is None or max_steps < 0 or not path.is_file():
+        return None
+    summary = json.loads(path.read_text())
+    return summary if summary.get("global_step", 0) >= max_steps else None
 
 
 def build_training_head(head_cfg: DictConfig, target: Target, datamodule: FeatureDataModule):
