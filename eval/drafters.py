@@ -159,7 +159,7 @@ class _DynamicLayout:
         count = 1 + k + (shape.depth - 1) * k * k
         identity = torch.eye(count, dtype=torch.bool, device=device)
         start = identity.clone()  # every node sees itself
-        start[1 : k + 1, 0] = True  # the depth-1 nodes descend from the root
+        start[1 : k + 1, 0].fill_(True)  # the depth-1 nodes descend from the root (no host copy)
         children = tuple(
             torch.arange(1 + k + e * k * k, 1 + k + (e + 1) * k * k, device=device)
             for e in range(shape.depth - 1)
