@@ -9,8 +9,9 @@
         optim.lr=3.3e-4 trainer.max_steps=200 scheduler.warmup_steps=10 run_name=hass-topk  # fine-tune
 
 Re-running a command resumes its run dir (``${paths.log_dir}/train/${run_name}``) from
-``checkpoints/last.ckpt`` when the config matches (``train.run_dir``). The run ends with
-``summary.json``: best simulated τ and its checkpoint, the last validation metrics, throughput.
+``checkpoints/last.ckpt`` when the config matches (``train.run_dir``); a run that finished its
+``max_steps`` is left as it is. The run ends with ``summary.json``: best simulated τ and its
+checkpoint, the last validation metrics, throughput.
 """
 
 from __future__ import annotations
