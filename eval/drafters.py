@@ -144,7 +144,7 @@ class _DynamicLayout:
     candidates are numbered as they are created (the root, the top_k depth-1 nodes, then top_k²
     children per expansion), so these never change."""
 
-    identity: Tensor  # count×count bool
+    count: int  # candidates: the root, top_k at depth 1, top_k² per expansion
     start: Tensor  # count×count bool, the ancestor matrix before any expansion
     first_frontier: Tensor  # top_k: the depth-1 nodes
     children: tuple[Tensor, ...]  # per expansion (depth − 1 of them), the top_k² nodes it creates
@@ -165,7 +165,7 @@ class _DynamicLayout:
             for e in range(shape.depth - 1)
         )
         return cls(
-            identity,
+            count,
             start,
             torch.arange(1, k + 1, device=device),
             children,
@@ -597,7 +597,7 @@ class FeatureHeadDrafter(Drafter):
         layout = self._layouts.get(shape)
         if layout is None:
             layout = self._layouts[shape] = _DynamicLayout.of(shape, device)
-        count = len(layout.identity)
+        count = layout.count
         # No Python scalars written into device tensors by indexing (a copy from the host, which a
         # CUDA capture forbids): fills, and masks built on the device.
         tokens = torch.zeros(count, dtype=torch.long, device=device)

@@ -907,17 +907,11 @@ def sweep_snapshot() -> dict | None:
     report = read_json(report_dir / "runs.json")
     if report is None:
         return None
-    points, steps, training = [], None, None
+    points, run_dir, config = [], None, None
     for row in report["runs"]:
         run_dir = Path(row["run"])
         summary = read_json(run_dir / "summary.json") or {}
         config = yaml.safe_load((run_dir / "run_config.yaml").read_text())
-        steps = config["trainer"]["max_steps"]  # these are the same for every point
-        training = {
-            "data": run_data(run_dir),
-            "precision": config["trainer"]["precision"],
-            "batch_tokens": config["datamodule"]["max_batch_tokens"],
-        }
         points.append(
             {
                 "run": run_dir.name,
@@ -929,11 +923,18 @@ def sweep_snapshot() -> dict | None:
             }
         )
     reference = read_json(RESULTS / "train" / SWEEP_REFERENCE / "summary.json")
+    # Steps, data, precision and batch size are the same for every point: the last one's.
     return {
         "machine": read_json(report_dir / "machine.json"),
         "swept": report["swept"],
-        "steps": steps,
-        "training": training,
+        "steps": config["trainer"]["max_steps"] if config else None,
+        "training": None
+        if config is None
+        else {
+            "data": run_data(run_dir),
+            "precision": config["trainer"]["precision"],
+            "batch_tokens": config["datamodule"]["max_batch_tokens"],
+        },
         "points": points,
         "reference": None
         if reference is None
@@ -1376,6 +1377,7 @@ def sweep_section() -> list[str] | None:
     if snapshot is None:
         return None
     swept, points = snapshot["swept"], snapshot["points"]
+    reference = snapshot.get("reference")  # older snapshots lack it
     machine = machine_line(snapshot) if snapshot.get("machine") else "not recorded"
     training = snapshot.get("training")  # older snapshots did not record it
     how = (
@@ -1394,14 +1396,13 @@ def sweep_section() -> list[str] | None:
         + (
             " The last row: an EAGLE head trained with the same recipe, data and steps, the yardstick "
             "each setting has to beat."
-            if snapshot.get("reference")  # older snapshots lack it
+            if reference
             else ""
         ),
         "",
         "| " + " | ".join(swept) + " | best simulated τ | final simulated τ | final acc_1..4 |",
         "|" + "---|" * (len(swept) + 3),
     ]
-    reference = snapshot.get("reference")
     rows = [([str(point["values"][key]) for key in swept], point) for point in points]
     if reference is not None:
         rows.append((["EAGLE (no Top-K, no alignment)", *["–"] * (len(swept) - 1)], reference))
