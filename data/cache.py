@@ -271,6 +271,13 @@ def validate_cache(out_dir: str | Path) -> dict[str, Any]:
     return manifest
 
 
+def stored_top_k(out_dir: str | Path) -> int | None:
+    """How many of the target's top tokens a finished cache stores (0: none); None when
+    ``out_dir`` holds no manifest (opening it as a :class:`FeatureCache` says why)."""
+    manifest = Path(out_dir) / "manifest.json"
+    return _read_json(manifest)["fields"]["top_k"] if manifest.is_file() else None
+
+
 class FeatureCache(torch.utils.data.Dataset):
     """Random access to the samples of a finished cache.
 
@@ -365,6 +372,35 @@ class FeatureCache(torch.utils.data.Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_handles": {}}
+
+
+class FeatureCaches(torch.utils.data.Dataset):
+    """Several finished caches read as one dataset, in the order given: a training mixture (e.g.
+    the target's own answers plus original ones). A cache named k times is read k times per epoch,
+    which is how a small set is weighted up. Every cache is opened (and checked) as
+    :class:`FeatureCache` with the same expectations; ``caches`` must not be empty."""
+
+    def __init__(self, caches: Sequence[FeatureCache]) -> None:
+        if not caches:
+            raise CacheError("FeatureCaches needs at least one cache")
+        self.caches = list(caches)
+        self._owners = [(c, i) for c, cache in enumerate(self.caches) for i in range(len(cache))]
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [length for cache in self.caches for length in cache.lengths]
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        cache, local = self._owners[index]
+        return self.caches[cache][local]
+
+    def tokens(self, index: int) -> tuple[Tensor, Tensor]:
+        """(input_ids, loss_mask) of one sample, without reading its features."""
+        cache, local = self._owners[index]
+        return self.caches[cache].tokens(local)
 
 
 def collate_cached(samples: Sequence[dict[str, Tensor]], pad_token_id: int) -> FeatureBatch:

@@ -20,7 +20,13 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from specdraft.data.cache import FeatureCache, StoredFields, collate_cached, tokenizer_fingerprint
+from specdraft.data.cache import (
+    FeatureCache,
+    FeatureCaches,
+    StoredFields,
+    collate_cached,
+    tokenizer_fingerprint,
+)
 from specdraft.data.chat import TokenizedConversation, tokenize_conversations
 from specdraft.data.conversations import ConversationSet, split_conversations
 from specdraft.data.features import (
@@ -154,7 +160,9 @@ class FeatureDataModule(L.LightningDataModule):
     """Training / held-out FeatureBatches, ``cached`` or ``online``, for ``target``.
 
     cached: ``train_cache`` and ``val_cache`` directories, checked against the target's spec and
-            the fields asked for (``aux_layers``: the target's EAGLE-3 taps; ``top_k``).
+            the fields asked for (``aux_layers``: the target's EAGLE-3 taps; ``top_k``). Either
+            may be a list of directories, read as one mixture (:class:`FeatureCaches`; a
+            directory listed twice is read twice per epoch).
     online: ``conversations`` (a reader's ConversationSet) split by ``heldout_fraction`` /
             ``split_seed`` and rendered to ``max_length`` tokens.
     supervise: which positions the head is TRAINED to predict: ``assistant`` (the loss mask, as
@@ -170,8 +178,8 @@ class FeatureDataModule(L.LightningDataModule):
         target: Target,
         aux_layers: bool = False,
         top_k: int = 0,
-        train_cache: str | None = None,
-        val_cache: str | None = None,
+        train_cache: str | Sequence[str] | None = None,
+        val_cache: str | Sequence[str] | None = None,
         conversations: ConversationSet | None = None,
         heldout_fraction: float = 0.02,
         split_seed: int = 0,
@@ -216,12 +224,14 @@ class FeatureDataModule(L.LightningDataModule):
         self.pad_id = pad_token_id(self.target.spec)
         if self.mode == "cached":
             fingerprint = tokenizer_fingerprint(self.target.tokenizer)
-            for split, directory in (("train", self.train_cache), ("val", self.val_cache)):
-                self.datasets[split] = FeatureCache(
-                    directory, self.target.spec, self.fields, self.verify_cache, expect_tokenizer=fingerprint
-                )
-                if len(self.datasets[split]) == 0:
-                    raise ValueError(f"{split} cache {directory} holds no samples")
+            for split, directories in (("train", self.train_cache), ("val", self.val_cache)):
+                listed = [directories] if isinstance(directories, str) else directories
+                spec, fields, verify = self.target.spec, self.fields, self.verify_cache
+                caches = [FeatureCache(d, spec, fields, verify, expect_tokenizer=fingerprint) for d in listed]
+                for cache in caches:
+                    if len(cache) == 0:
+                        raise ValueError(f"{split} cache {cache.dir} holds no samples")
+                self.datasets[split] = caches[0] if isinstance(directories, str) else FeatureCaches(caches)
             return
         train, heldout = split_conversations(
             self.conversations.conversations, self.heldout_fraction, self.split_seed
@@ -249,7 +259,7 @@ class FeatureDataModule(L.LightningDataModule):
         dataset = self.datasets["train"]
         counts = torch.zeros(self.target.spec.vocab_size, dtype=torch.long)
         for index in range(len(dataset)):
-            if isinstance(dataset, FeatureCache):
+            if isinstance(dataset, (FeatureCache, FeatureCaches)):
                 input_ids, loss_mask = dataset.tokens(index)
             else:
                 sample = dataset[index]

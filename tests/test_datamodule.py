@@ -118,6 +118,39 @@ def test_cached_mode_with_workers(tmp_path, tiny_target):
     assert all(b.input_hidden is not None and b.aux is None for b in batches)
 
 
+def test_a_list_of_train_caches_is_one_mixture_read_in_full_each_epoch(tmp_path, tiny_target):
+    """Two caches (one listed twice: weighted up) → every sample of each listed cache once per
+    epoch, features as stored, the vocabulary counts over the whole mixture."""
+    conversations = conversation_set(30).conversations
+    parts = {"a": conversations[:12], "b": conversations[12:]}
+    stored = {}
+    for name, part in parts.items():
+        samples, _ = tokenize_conversations(tiny_target.tokenizer, part, 512, progress=False)
+        write_cache(tiny_target, samples, tmp_path / name, StoredFields(), {"d": name}, progress=False)
+        stored[name] = samples
+    mixture = [str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "a")]
+    module = FeatureDataModule(
+        "cached", tiny_target, train_cache=mixture, val_cache=str(tmp_path / "b"), max_batch_tokens=400
+    )
+    module.setup("fit")
+    expected = stored["a"] + stored["b"] + stored["a"]
+    assert len(module.datasets["train"]) == len(expected)
+    assert module.datasets["train"].lengths == [len(s.input_ids) for s in expected]
+    seen = sorted(
+        tuple(row[mask.bool()].tolist())
+        for batch in module.train_dataloader()
+        for row, mask in zip(batch.input_ids, batch.attention_mask, strict=True)
+    )
+    assert seen == sorted(tuple(s.input_ids) for s in expected)
+    counts = torch.zeros(tiny_target.spec.vocab_size, dtype=torch.long)
+    for sample in expected:
+        ids, mask = torch.tensor(sample.input_ids), torch.tensor(sample.loss_mask)
+        counts += torch.bincount(ids[mask.bool()], minlength=counts.numel())
+    assert torch.equal(module.assistant_token_counts(), counts)
+    with pytest.raises(ValueError, match="needs train_cache and val_cache"):
+        FeatureDataModule("cached", tiny_target, train_cache=[], val_cache=str(tmp_path / "b"))
+
+
 def test_supervise_all_trains_every_real_token_and_validates_the_assistant_tokens(tiny_target):
     module = FeatureDataModule(
         "online",

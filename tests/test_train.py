@@ -293,3 +293,35 @@ def test_init_from_starts_from_a_trained_heads_weights_and_refuses_another_head(
         layers = [*common, "target.aux_layer_ids=[0,1,3]", init]
         train(compose_train(tmp_path / "layers", *layers))
     assert not (tmp_path / "kind" / "checkpoints").exists()
+
+
+def test_a_reduced_training_vocab_asks_for_the_cached_top1_only_where_every_cache_has_it(
+    tmp_path, tiny_target
+):
+    from omegaconf import OmegaConf
+
+    from specdraft.data.cache import StoredFields, write_cache
+    from specdraft.data.chat import tokenize_conversation
+    from specdraft.data.conversations import Conversation, Message
+    from specdraft.train.cli import features_for_objective
+
+    sample = tokenize_conversation(
+        tiny_target.tokenizer, Conversation("c0", (Message("user", "q"), Message("assistant", "1 2 3")))
+    )
+    for name, top_k in (("with", 1), ("without", 0)):
+        write_cache(tiny_target, [sample], tmp_path / name, StoredFields((), top_k), {"d": 1}, progress=False)
+
+    def asked_top_k(train, val) -> int:
+        cfg = OmegaConf.create(
+            {
+                "loss": {"draft_vocab_size": 100},
+                "datamodule": {"mode": "cached", "top_k": 0, "train_cache": train, "val_cache": val},
+            }
+        )
+        features_for_objective(cfg)
+        return cfg.datamodule.top_k
+
+    with_top1, without = str(tmp_path / "with"), str(tmp_path / "without")
+    assert asked_top_k(with_top1, with_top1) == 1
+    assert asked_top_k([with_top1, without], with_top1) == 0  # the argmax comes from the full logits
+    assert asked_top_k(with_top1, [without]) == 0

@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from specdraft.data.atomic import write_json_atomic
+from specdraft.data.cache import stored_top_k
 from specdraft.data.datamodule import FeatureDataModule
 from specdraft.data.errors import user_errors
 from specdraft.data.hardware import start
@@ -182,11 +183,31 @@ def check_features_for_head(head: DraftHead, datamodule: FeatureDataModule) -> N
 def features_for_objective(cfg: DictConfig) -> None:
     """Ask the datamodule for what the objective needs beyond the experiment's own settings: a
     reduced training vocabulary trains only where the target's argmax lies inside it, and its
-    top-1 delivered with the features spares a pass over the full target logits per batch."""
-    if cfg.loss.get("draft_vocab_size") and not cfg.datamodule.top_k:
-        log.info("loss.draft_vocab_size: the features carry the target's top-1 (datamodule.top_k=1)")
-        with open_dict(cfg):
-            cfg.datamodule.top_k = 1
+    top-1 delivered with the features spares a pass over the full target logits per batch — when
+    the feature caches store it (a cache written with top_k=0 does not: the argmax is then
+    computed from the full logits)."""
+    if not cfg.loss.get("draft_vocab_size") or cfg.datamodule.top_k:
+        return
+    if cfg.datamodule.mode == "cached":
+        lacking = [d for d in cache_directories(cfg.datamodule) if stored_top_k(d) == 0]
+        if lacking:
+            log.info(
+                "loss.draft_vocab_size: %s stores no top-k, so the target's argmax is computed from its "
+                "full logits (slower: a cache written with top_k=1 spares it)",
+                lacking[0],
+            )
+            return
+    log.info("loss.draft_vocab_size: the features carry the target's top-1 (datamodule.top_k=1)")
+    with open_dict(cfg):
+        cfg.datamodule.top_k = 1
+
+
+def cache_directories(datamodule_cfg: DictConfig) -> list[str]:
+    """Every feature cache a cached datamodule reads (train_cache / val_cache: a path or a list)."""
+    directories = []
+    for entry in (datamodule_cfg.train_cache, datamodule_cfg.val_cache):
+        directories += [entry] if isinstance(entry, str) else list(entry)
+    return directories
 
 
 def build_objective(loss_cfg: DictConfig, target: Target, datamodule: FeatureDataModule) -> DraftObjective:
