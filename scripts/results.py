@@ -571,6 +571,32 @@ def first_turns_bench(
     )
 
 
+def mixture(checkpoint: str | None, per_category: int, placement: Placement) -> None:
+    """ONE interleaved bench of a fine-tuned head (``checkpoint``) against the head it started
+    from (the committed quickstart head), on MT-bench BOTH turns (the second turns ask to rewrite
+    or continue the first answer: prompt lookup's best case), 128 new tokens, T=0, the same
+    12-node tree."""
+    if checkpoint is None:
+        raise SystemExit("the mixture stage needs --mixture-checkpoint (the fine-tuned head)")
+    tree = "shape: {kind: dynamic, depth: 3, top_k: 4, total_tokens: 12}, shortlist: true"
+    command(
+        "specdraft-bench",
+        "methods=none",
+        f"checkpoint={QUICKSTART_HEAD}",
+        f"run_name={MIXTURE_RUN}",
+        f"paths.log_dir={RESULTS}",
+        f"prompts.path={MT_BENCH}",
+        f"prompts.per_category={per_category}",
+        "temperatures=[0.0]",
+        "progress=false",
+        "+methods.hf_generate={type: hf}",
+        "+methods.hf_prompt_lookup={type: hf, prompt_lookup_tokens: 10}",
+        f"+methods.{MIXTURE_BASE}={{type: head, checkpoint: {QUICKSTART_HEAD}, {tree}}}",
+        f"+methods.{MIXTURE_TUNED}={{type: head, checkpoint: {checkpoint}, {tree}}}",
+        *placement.target(),
+    )
+
+
 def lookahead(checkpoint: str, per_category: int, humaneval: int, placement: Placement) -> None:
     command(
         "specdraft-bench",
@@ -643,6 +669,11 @@ def doc(decoder_provenance: str | None = None) -> None:
             DECODER_BF16_TITLE,
             lambda: decoder_section(DECODER_BF16_SNAPSHOT),
             "python scripts/results.py --stages decoder doc --decoder-checkpoint <head>, on a CPU with AMX",
+        ),
+        (
+            MIXTURE_TITLE,
+            mixture_section,
+            "python scripts/results.py --stages mixture doc --mixture-checkpoint <head>",
         ),
         (
             LOOKAHEAD_TITLE,
@@ -748,6 +779,11 @@ def snapshot_runs(decoder_provenance: str | None = None) -> None:
                 "batch": report["batch"],
             },
         )
+    mixture_dir = RESULTS / "bench" / MIXTURE_RUN
+    report = read_json(mixture_dir / "report.json")
+    if report is not None:
+        name = machine_snapshot(MIXTURE_SNAPSHOT, report["machine"].get("hardware") or {})
+        write_json_atomic(SNAPSHOTS / name, mixture_snapshot(report, read_records(mixture_dir)))
     report = read_json(RESULTS / "bench" / "decoder" / "report.json")
     if report is not None:
         name = machine_snapshot("decoder", report["machine"].get("hardware") or {})
@@ -761,6 +797,42 @@ def snapshot_runs(decoder_provenance: str | None = None) -> None:
             },
         }
         write_json_atomic(SNAPSHOTS / name, snapshot)
+
+
+def mixture_snapshot(report: dict, records: list[dict]) -> dict:
+    """The mixture bench per turn: tokens/s and τ of every method over that turn's answers, and
+    the fine-tuned head's τ against its base with a paired bootstrap CI (by question)."""
+    methods = report["methods"]
+    per_turn = {}
+    for turn, label in MIXTURE_TURNS.items():
+        answers = [r for r in records if r["turn"] == turn]
+        if not answers:
+            continue
+        totals: dict[str, list[float]] = {}
+        for r in answers:
+            entry = totals.setdefault(r["method"], [0, 0.0, 0, 0])
+            entry[0] += len(r["tokens"])
+            entry[1] += r["total_s"]
+            if r.get("steps") is not None:
+                entry[2] += len(r["tokens"]) - 1
+                entry[3] += len(r["steps"])
+        per_turn[label] = {
+            "turns": len({r["question_id"] for r in answers}),
+            "methods": {
+                method: {"tokens_per_s": t / s, **({"tau": c / f} if f else {})}
+                for method, (t, s, c, f) in totals.items()
+            },
+            "tuned_vs_base": paired_bootstrap(answers, MIXTURE_TUNED, MIXTURE_BASE),
+        }
+    return {
+        "machine": report["machine"],
+        "config": {
+            "prompts": report["config"]["prompts"],
+            "max_new_tokens": report["config"]["max_new_tokens"],
+        },
+        "heads": {name: Path(methods[name]["checkpoint"]).name for name in (MIXTURE_BASE, MIXTURE_TUNED)},
+        "per_turn": per_turn,
+    }
 
 
 def machine_snapshot(stem: str, hardware: dict) -> str:
@@ -1109,6 +1181,11 @@ BATCH_TITLE = "## Throughput against batch size (`methods=batch batch_sizes=[1,2
 BATCH_RUN = "batch"
 BATCH_SNAPSHOT = "batch.json"
 BATCH_SIZES = "[1,2,4,8,16]"
+MIXTURE_TITLE = "## A head fine-tuned on a data mixture (`--stages mixture`)"
+MIXTURE_RUN = "mixture"
+MIXTURE_SNAPSHOT = "mixture"  # + the machine class (machine_snapshot)
+MIXTURE_BASE, MIXTURE_TUNED = "head_dynamic", "head_dynamic_ft"
+MIXTURE_TURNS = {0: "first turns", 1: "second turns"}
 LOOKAHEAD_TITLE = "## Lookahead decoding, HF prompt lookup and a trained head (`methods=lookahead`)"
 LOOKAHEAD_RUN = "lookahead"
 LOOKAHEAD_SNAPSHOT = "lookahead.json"
@@ -1508,6 +1585,48 @@ def shape_text(shape: dict) -> str:
     (snapshots store keys sorted)."""
     fields = {"kind": shape.get("kind"), **{k: v for k, v in shape.items() if k != "kind"}}
     return "{" + ", ".join(f"{key}: {value}" for key, value in fields.items()) + "}"
+
+
+def mixture_section() -> list[str] | None:
+    """The fine-tuned head against its base, with plain decoding and HF's baselines, per turn; one
+    table per class of machine measured."""
+    paths = sorted(SNAPSHOTS.glob(f"{MIXTURE_SNAPSHOT}*.json"))
+    if not paths:
+        return None
+    return [line for path in paths for line in mixture_table(read_json(path))]
+
+
+def mixture_table(snapshot: dict) -> list[str]:
+    heads = snapshot["heads"]
+    lines = [
+        f"Machine: {machine_line(snapshot)}. One interleaved `specdraft-bench` run: MT-bench,"
+        f" {snapshot['config']['prompts']['per_category']} questions per category, both turns,"
+        f" {snapshot['config']['max_new_tokens']} new tokens per turn, T=0, the 12-node dynamic tree"
+        f" (depth 3, top-4). `{MIXTURE_BASE}`: `{heads[MIXTURE_BASE]}` (trained on a GPU on 618k tokens"
+        f" of SmolLM2's own answers); `{MIXTURE_TUNED}`: `{heads[MIXTURE_TUNED]}`, that head fine-tuned on"
+        " a CPU on a mixture of its own answers and ShareGPT's original answers (its provenance.json).",
+        "",
+        "| turns | method | tok/s | × plain | × HF prompt lookup | τ |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, turn in snapshot["per_turn"].items():
+        results = turn["methods"]
+        plain, lookup = results["plain"]["tokens_per_s"], results["hf_prompt_lookup"]["tokens_per_s"]
+        for method, entry in sorted(results.items(), key=lambda item: item[0] != "plain"):
+            speed = entry["tokens_per_s"]
+            tau = f"{entry['tau']:.3f}" if "tau" in entry and method != "plain" else "–"
+            lines.append(
+                f"| {label} ({turn['turns']}) | {method} | {speed:.2f} | {speed / plain:.3f}× |"
+                f" {speed / lookup:.3f}× | {tau} |"
+            )
+    lines.append("")
+    for label, turn in snapshot["per_turn"].items():
+        ratio = turn["tuned_vs_base"]["ratio"]
+        lines.append(
+            f"- {label}: τ of `{MIXTURE_TUNED}` ÷ `{MIXTURE_BASE}` = {ratio['estimate']:.3f}"
+            f" (95 % paired bootstrap CI by question [{ratio['low']:.3f}, {ratio['high']:.3f}])."
+        )
+    return [*lines, ""]
 
 
 def lookahead_section() -> list[str] | None:
@@ -2134,6 +2253,7 @@ def main() -> None:
         "--batch-checkpoint", default=str(QUICKSTART_HEAD), help="the head the batch stage benches"
     )
     parser.add_argument("--humaneval", type=int, default=16, help="HumanEval problems of the lookahead stage")
+    parser.add_argument("--mixture-checkpoint", help="the fine-tuned head the mixture stage benches")
     parser.add_argument("--decoder-provenance", help="how that head was trained (kept in the snapshot)")
     parser.add_argument("--train-speed", nargs="+", type=Path, help="bench_train_step.py JSON, oldest first")
     parser.add_argument("--regen-logs", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
@@ -2157,6 +2277,8 @@ def main() -> None:
             curve(args.per_category)
         elif stage == "decoder":
             decoder(args.decoder_checkpoint, args.per_category, placement)
+        elif stage == "mixture":
+            mixture(args.mixture_checkpoint, args.per_category, placement)
         elif stage == "batch":
             batch(args.batch_checkpoint, args.per_category, placement)
         elif stage == "lookahead":

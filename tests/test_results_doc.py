@@ -554,3 +554,39 @@ def test_the_two_stage_hass_head_trains_alignment_then_topk_from_its_weights_at_
     (results.RESULTS / "train" / "hass_2stage" / "summary.json").unlink()  # the second stage was killed
     results.ablation(300, tmp_path / "features", results.Placement(), heads=["hass_2stage"])
     assert len(calls) == 1 and any(o.startswith("init_from=") for o in calls[0])
+
+
+def test_mixture_section_compares_the_tuned_head_with_its_base_per_turn(results, tmp_path):
+    bench = results.RESULTS / "bench" / results.MIXTURE_RUN
+    amx = {"name": "Intel Xeon", "cpu_flags": ["amx_bf16"], "device_type": "cpu", "fast_bf16": True}
+    methods = {
+        "plain": {"type": "plain"},
+        "hf_prompt_lookup": {"type": "hf"},
+        results.MIXTURE_BASE: {"type": "head", "checkpoint": "/x/base-head"},
+        results.MIXTURE_TUNED: {"type": "head", "checkpoint": "/x/tuned-head"},
+    }
+    config = {"prompts": {"per_category": 1, "max_turns": 2}, "max_new_tokens": 128}
+    machine = {**MACHINE, "hardware": amx}
+    write(bench / "report.json", {"machine": machine, "config": config, "methods": methods})
+    units = []
+    for question, category in (("81", "writing"), ("91", "roleplay")):
+        records = []
+        for number in (0, 1):
+            records += [
+                {**turn("plain", question, category, 40, 40, 4.0), "turn": number},
+                {**turn("hf_prompt_lookup", question, category, 40, 40, 2.0), "turn": number, "steps": None},
+                {**turn(results.MIXTURE_BASE, question, category, 40, 20, 2.5), "turn": number},  # τ 2
+                {**turn(results.MIXTURE_TUNED, question, category, 40, 16, 2.0), "turn": number},  # τ 2.5
+            ]
+        units.append({"question_id": question, "temperature": 0.0, "records": records})
+    (bench / "records.jsonl").write_text("".join(json.dumps(u) + "\n" for u in units))
+    results.doc()
+    snapshot = json.loads((tmp_path / "docs" / "results" / "mixture_bf16.json").read_text())
+    first = snapshot["per_turn"]["first turns"]
+    assert first["turns"] == 2 and snapshot["heads"][results.MIXTURE_TUNED] == "tuned-head"
+    assert first["methods"][results.MIXTURE_TUNED] == {"tokens_per_s": 20.5, "tau": 2.5}
+    assert first["tuned_vs_base"]["ratio"]["estimate"] == pytest.approx(1.25)
+    text = "\n".join(results.sections(tmp_path / "docs" / "results.md")[results.MIXTURE_TITLE])
+    # 41 tokens in 2 s against plain's 41 in 4 s and prompt lookup's 41 in 2 s
+    assert f"| first turns (2) | {results.MIXTURE_TUNED} | 20.50 | 2.000× | 1.000× | 2.500 |" in text
+    assert "second turns: τ of" in text and "[1.250, 1.250]" in text
