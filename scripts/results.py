@@ -637,7 +637,7 @@ def curve(per_category: int) -> None:
     )
 
 
-def doc(decoder_provenance: str | None = None) -> None:
+def doc(decoder_provenance: str | None = None, mixture_provenance: str | None = None) -> None:
     """Snapshot the runs found under LOG_DIR into docs/results/, then render docs/results.md (and
     its plots) from the snapshots.
 
@@ -645,7 +645,7 @@ def doc(decoder_provenance: str | None = None) -> None:
     any clone. A section whose snapshot is missing keeps the text it had (its runs' outputs may be
     gone with the machine that made them); one never measured says how to measure it.
     """
-    snapshot_runs(decoder_provenance)
+    snapshot_runs(decoder_provenance, mixture_provenance)
     previous = sections(DOCS / "results.md")
     lines = [
         "# Results",
@@ -726,7 +726,7 @@ def sections(path: Path) -> dict[str, list[str]]:
 TRAINING_KEYS = ("global_step", "tokens_seen", "fit_seconds", "best_sim_tau")
 
 
-def snapshot_runs(decoder_provenance: str | None = None) -> None:
+def snapshot_runs(decoder_provenance: str | None = None, mixture_provenance: str | None = None) -> None:
     """docs/results/<section>.json for every run whose outputs are under LOG_DIR."""
     for run, (directory, _) in QUICKSTART_RUNS.items():
         report = read_json(LOG_DIR / "bench" / run / "report.json")
@@ -783,7 +783,11 @@ def snapshot_runs(decoder_provenance: str | None = None) -> None:
     report = read_json(mixture_dir / "report.json")
     if report is not None:
         name = machine_snapshot(MIXTURE_SNAPSHOT, report["machine"].get("hardware") or {})
-        write_json_atomic(SNAPSHOTS / name, mixture_snapshot(report, read_records(mixture_dir)))
+        settings = read_json(mixture_dir / "run_config.json") or {}
+        snapshot = mixture_snapshot(report, settings, read_records(mixture_dir))
+        previous = read_json(SNAPSHOTS / name) or {}
+        snapshot["provenance"] = mixture_provenance or previous.get("provenance")
+        write_json_atomic(SNAPSHOTS / name, snapshot)
     report = read_json(RESULTS / "bench" / "decoder" / "report.json")
     if report is not None:
         name = machine_snapshot("decoder", report["machine"].get("hardware") or {})
@@ -799,10 +803,11 @@ def snapshot_runs(decoder_provenance: str | None = None) -> None:
         write_json_atomic(SNAPSHOTS / name, snapshot)
 
 
-def mixture_snapshot(report: dict, records: list[dict]) -> dict:
+def mixture_snapshot(report: dict, settings: dict, records: list[dict]) -> dict:
     """The mixture bench per turn: tokens/s and τ of every method over that turn's answers, and
-    the fine-tuned head's τ against its base with a paired bootstrap CI (by question)."""
-    methods = report["methods"]
+    the fine-tuned head's τ against its base with a paired bootstrap CI (by question). The heads'
+    names come from the run's settings (its run_config.json)."""
+    methods = settings.get("methods", {})
     per_turn = {}
     for turn, label in MIXTURE_TURNS.items():
         answers = [r for r in records if r["turn"] == turn]
@@ -830,7 +835,10 @@ def mixture_snapshot(report: dict, records: list[dict]) -> dict:
             "prompts": report["config"]["prompts"],
             "max_new_tokens": report["config"]["max_new_tokens"],
         },
-        "heads": {name: Path(methods[name]["checkpoint"]).name for name in (MIXTURE_BASE, MIXTURE_TUNED)},
+        "heads": {
+            name: Path(methods.get(name, {}).get("checkpoint") or "?").name
+            for name in (MIXTURE_BASE, MIXTURE_TUNED)
+        },
         "per_turn": per_turn,
     }
 
@@ -1597,14 +1605,14 @@ def mixture_section() -> list[str] | None:
 
 
 def mixture_table(snapshot: dict) -> list[str]:
+    provenance = snapshot.get("provenance") or "provenance not recorded"
     heads = snapshot["heads"]
     lines = [
         f"Machine: {machine_line(snapshot)}. One interleaved `specdraft-bench` run: MT-bench,"
         f" {snapshot['config']['prompts']['per_category']} questions per category, both turns,"
         f" {snapshot['config']['max_new_tokens']} new tokens per turn, T=0, the 12-node dynamic tree"
-        f" (depth 3, top-4). `{MIXTURE_BASE}`: `{heads[MIXTURE_BASE]}` (trained on a GPU on 618k tokens"
-        f" of SmolLM2's own answers); `{MIXTURE_TUNED}`: `{heads[MIXTURE_TUNED]}`, that head fine-tuned on"
-        " a CPU on a mixture of its own answers and ShareGPT's original answers (its provenance.json).",
+        f" (depth 3, top-4). `{MIXTURE_BASE}`: `{heads[MIXTURE_BASE]}`, the committed quickstart head;"
+        f" `{MIXTURE_TUNED}`: `{heads[MIXTURE_TUNED]}` — {provenance}.",
         "",
         "| turns | method | tok/s | × plain | × HF prompt lookup | τ |",
         "|---|---|---|---|---|---|",
@@ -2254,6 +2262,7 @@ def main() -> None:
     )
     parser.add_argument("--humaneval", type=int, default=16, help="HumanEval problems of the lookahead stage")
     parser.add_argument("--mixture-checkpoint", help="the fine-tuned head the mixture stage benches")
+    parser.add_argument("--mixture-provenance", help="how that head was made (kept in the snapshot)")
     parser.add_argument("--decoder-provenance", help="how that head was trained (kept in the snapshot)")
     parser.add_argument("--train-speed", nargs="+", type=Path, help="bench_train_step.py JSON, oldest first")
     parser.add_argument("--regen-logs", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
@@ -2298,7 +2307,7 @@ def main() -> None:
                 parser.error("stage regen_speed needs --regen-logs BEFORE AFTER and --regen-commits OLD NEW")
             regen_speed(args.regen_logs, args.regen_commits, args.train_speed_command)
         elif stage == "doc":
-            doc(args.decoder_provenance)
+            doc(args.decoder_provenance, args.mixture_provenance)
         else:
             parser.error(f"unknown stage {stage!r}")
     print(f"done in {(time.perf_counter() - started) / 60:.1f} min on {platform.node() or 'this machine'}")

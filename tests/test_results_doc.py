@@ -567,7 +567,8 @@ def test_mixture_section_compares_the_tuned_head_with_its_base_per_turn(results,
     }
     config = {"prompts": {"per_category": 1, "max_turns": 2}, "max_new_tokens": 128}
     machine = {**MACHINE, "hardware": amx}
-    write(bench / "report.json", {"machine": machine, "config": config, "methods": methods})
+    write(bench / "report.json", {"machine": machine, "config": config, "methods": {}})
+    write(bench / "run_config.json", {"methods": methods})
     units = []
     for question, category in (("81", "writing"), ("91", "roleplay")):
         records = []
