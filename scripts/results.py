@@ -74,7 +74,7 @@ import yaml
 from specdraft.data.atomic import write_bytes_atomic, write_json_atomic
 from specdraft.data.hardware import detect_hardware
 from specdraft.eval.bench import machine_info, read_records
-from specdraft.eval.report import CONFIDENCE, paired_bootstrap, summarize
+from specdraft.eval.report import CONFIDENCE, metrics, paired_bootstrap, summarize
 from specdraft.train.budget import clock
 from specdraft.train.depth_acceptance import paired_chain_bootstrap
 from specdraft.train.sweep_report import plot as plot_sweep
@@ -813,19 +813,15 @@ def mixture_snapshot(report: dict, settings: dict, records: list[dict]) -> dict:
         answers = [r for r in records if r["turn"] == turn]
         if not answers:
             continue
-        totals: dict[str, list[float]] = {}
+        by_method: dict[str, list[dict]] = {}
         for r in answers:
-            entry = totals.setdefault(r["method"], [0, 0.0, 0, 0])
-            entry[0] += len(r["tokens"])
-            entry[1] += r["total_s"]
-            if r.get("steps") is not None:
-                entry[2] += len(r["tokens"]) - 1
-                entry[3] += len(r["steps"])
+            by_method.setdefault(r["method"], []).append(r)
+        measured = {method: metrics(rows, None) for method, rows in by_method.items()}
         per_turn[label] = {
             "turns": len({r["question_id"] for r in answers}),
             "methods": {
-                method: {"tokens_per_s": t / s, **({"tau": c / f} if f else {})}
-                for method, (t, s, c, f) in totals.items()
+                method: {key: m[key] for key in ("tokens_per_s", "tau") if key in m}
+                for method, m in measured.items()
             },
             "tuned_vs_base": paired_bootstrap(answers, MIXTURE_TUNED, MIXTURE_BASE),
         }
