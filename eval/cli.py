@@ -270,9 +270,11 @@ def calibration_prompts(cfg: DictConfig, target: Target) -> list[torch.Tensor]:
 
 def assistant_counts(cfg: DictConfig, target: Target) -> torch.Tensor:
     """How often each target token is an assistant token in the training split of ``cfg.source``
+    (its first ``cfg.split_limit`` conversations, as a feature cache made with that limit holds)
     (V counts): what the shortlist ranks by."""
     source = instantiate(cfg.source)
     train, _ = split_conversations(source.conversations, cfg.heldout_fraction, cfg.split_seed)
+    train = train[: cfg.get("split_limit")]
     samples, _ = tokenize_conversations(target.tokenizer, train, cfg.max_length, progress=False)
     return assistant_token_counts(samples, target.spec.vocab_size)
 

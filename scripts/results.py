@@ -5,9 +5,12 @@
 Stages (``--stages`` picks some):
 
 * ``ablation``  — the equal-token ablation: EAGLE, HASS (both at β = 0.5, Top-K only, alignment
-  only, both at β = 1), EAGLE-3 and HASS on EAGLE-3 trained one after the other for the same
-  ``--steps`` over the same batches of the quickstart's cached features (its self-distilled
-  SmolLM2 answers; ``--features`` another cache pair) and one ``ABLATION_VOCAB``-token vocabulary;
+  only, both at β = 1), EAGLE-3 and HASS on EAGLE-3 trained one after the other (``--parallel N``:
+  N side by side) for the same ``--steps`` over the same batches of the quickstart's cached
+  features (its self-distilled SmolLM2 answers; ``--features`` another cache pair) and one
+  ``ABLATION_VOCAB``-token vocabulary;
+* ``export``    — each trained ablation head's final weights as a native export in its run dir
+  (``--export-dtype``), which the bench then reads: how heads trained on a GPU travel;
 * ``depth``     — ``specdraft-depth-acceptance`` over the trained ablation heads: greedy chain
   acceptance per depth on the held-out cache, own features vs the target's;
 * ``bench``     — ONE ``specdraft-bench`` run over the ablation heads' final weights as the same
@@ -66,6 +69,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,6 +189,7 @@ ABLATION_WARMUP = 20
 ABLATION_PRECISION = "32-true"
 ABLATION_VAL_EVERY = 25  # steps between held-out validations: the acc_1 curve
 ABLATION_CHECKPOINT_EVERY = 50  # last.ckpt: what a killed run resumes from, and the benched weights
+EXPORT_DIR = "export"  # in a run dir: the export stage's native export, which the bench prefers
 ABLATION_BENCH = "ablation-tokens"  # its bench run (RESULTS/bench/<this>)
 ABLATION_MT_BENCH_PER_CATEGORY = 5  # × 8 categories = 40 MT-bench first turns
 ABLATION_HUMANEVAL = 40
@@ -291,19 +296,28 @@ class Placement:
         return self.target() + ([] if self.device == "cpu" else ["trainer=gpu"])
 
 
-def command(name: str, *overrides: str) -> None:
-    """Run a specdraft console script of this venv (else of PATH); stop on failure."""
+def command(name: str, *overrides: str, log: Path | None = None) -> None:
+    """Run a specdraft console script of this venv (else of PATH); stop on failure. With ``log``
+    its output goes to that file (commands run side by side), else to this terminal."""
     script = Path(sys.executable).parent / name
     argv = [str(script) if script.is_file() else shutil.which(name) or name, *overrides]
-    print("$ " + " ".join(argv), flush=True)
-    subprocess.run(argv, check=True)
+    print("$ " + " ".join(argv) + (f"  > {log}" if log else ""), flush=True)
+    if log is None:
+        subprocess.run(argv, check=True)
+        return
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as handle:
+        if subprocess.run(argv, stdout=handle, stderr=subprocess.STDOUT).returncode:
+            raise SystemExit(f"{name} failed: see {log}")
 
 
 def final_checkpoint(run_dir: Path) -> Path:
-    """A finished run's final weights (its last.ckpt, written at its last step)."""
+    """A finished run's final weights: its export (the ``export`` stage: how a head trained on
+    another machine travels) where there is one, else its last.ckpt (written at its last step)."""
     if not (run_dir / "summary.json").is_file():
         raise SystemExit(f"{run_dir} has not finished training: run the ablation stage first")
-    return run_dir / "checkpoints" / "last.ckpt"
+    export = run_dir / EXPORT_DIR
+    return export if (export / "config.json").is_file() else run_dir / "checkpoints" / "last.ckpt"
 
 
 def head_method(name: str, checkpoint: Path, shape: str, shortlist: bool = True) -> str:
@@ -368,24 +382,64 @@ def default_lr() -> float:
     return float(yaml.safe_load((ROOT / "conf" / "optim" / "adamw.yaml").read_text())["lr"])
 
 
-def ablation(steps: int, features: Path | None, placement: Placement, heads: list[str] | None = None) -> None:
+def ablation(
+    steps: int,
+    features: Path | None,
+    placement: Placement,
+    heads: list[str] | None = None,
+    parallel: int = 1,
+) -> None:
     """Train every ABLATION head (or ``heads`` of them) for ``steps`` steps on the same features (a
-    finished run is kept; a killed one resumes from its last checkpoint)."""
+    finished run is kept; a killed one resumes from its last checkpoint). ``parallel`` heads train
+    side by side, each logging to RESULTS/train/<head>.log: on a GPU one small head's step is
+    bound by the host's kernel launches and leaves the device mostly idle."""
     if steps % ABLATION_CHECKPOINT_EVERY:
         # last.ckpt must hold the final step's weights (what the bench reads), and every head's
         # curve and resume points fall on the same steps (a two-stage head's stages too).
         raise SystemExit(f"--steps must be a multiple of {ABLATION_CHECKPOINT_EVERY}, got {steps}")
     features = features or quickstart_features()
-    for name in heads or ABLATION:
-        if (RESULTS / "train" / name / "summary.json").is_file():
-            continue
+    todo = [name for name in heads or ABLATION if not (RESULTS / "train" / name / "summary.json").is_file()]
+
+    def train(name: str) -> None:
+        log = RESULTS / "train" / f"{name}.log" if parallel > 1 else None
         if name in FIRST_STAGE_RECIPE:
-            train_two_stage(name, steps, features, placement)
+            train_two_stage(name, steps, features, placement, log)
         else:
-            command("specdraft-train", *ablation_overrides(name, steps, features, placement))
+            command("specdraft-train", *ablation_overrides(name, steps, features, placement), log=log)
+
+    with ThreadPoolExecutor(max(1, parallel)) as pool:
+        list(pool.map(train, todo))  # list(): a failed head's error is raised here
 
 
-def train_two_stage(name: str, steps: int, features: Path, placement: Placement) -> None:
+def export_heads(dtype: str, parallel: int = 1) -> None:
+    """Export every trained ablation head's final weights (native format, ``dtype``) into its run
+    dir's EXPORT_DIR, which the bench then reads: the few MB that carry a head trained on another
+    machine (a GPU) to the one that benches it, without its optimiser state."""
+    todo = [
+        name
+        for name in ABLATION
+        if (RESULTS / "train" / name / "summary.json").is_file()
+        and not (RESULTS / "train" / name / EXPORT_DIR / "config.json").is_file()
+    ]
+
+    def export(name: str) -> None:
+        run_dir = RESULTS / "train" / name
+        command(
+            "specdraft-export",
+            f"checkpoint={run_dir / 'checkpoints' / 'last.ckpt'}",
+            "format=native",
+            f"out={run_dir / EXPORT_DIR}",
+            f"dtype={dtype}",
+            log=run_dir / "export.log" if parallel > 1 else None,
+        )
+
+    with ThreadPoolExecutor(max(1, parallel)) as pool:
+        list(pool.map(export, todo))
+
+
+def train_two_stage(
+    name: str, steps: int, features: Path, placement: Placement, log: Path | None = None
+) -> None:
     """A two-stage head: FIRST_STAGE_RECIPE[name]'s recipe for the first steps, then its own from
     those weights at TOPK_STAGE_LR_SCALE × the learning rate for the last TOPK_STAGE_FRACTION."""
     interval = ABLATION_CHECKPOINT_EVERY
@@ -396,7 +450,9 @@ def train_two_stage(name: str, steps: int, features: Path, placement: Placement)
     if not (RESULTS / "train" / first_run / "summary.json").is_file():
         recipe_of = FIRST_STAGE_RECIPE[name]
         command(
-            "specdraft-train", *ablation_overrides(first_run, steps - second, features, placement, recipe_of)
+            "specdraft-train",
+            *ablation_overrides(first_run, steps - second, features, placement, recipe_of),
+            log=log,
         )
     command(
         "specdraft-train",
@@ -409,10 +465,11 @@ def train_two_stage(name: str, steps: int, features: Path, placement: Placement)
             warmup=round(ABLATION_WARMUP * second / steps),
         ),
         f"init_from={RESULTS / 'train' / first_run / 'checkpoints' / 'last.ckpt'}",
+        log=log,
     )
 
 
-def bench(max_minutes: float | None, placement: Placement) -> None:
+def bench(max_minutes: float | None, placement: Placement, heads: list[str] | None = None) -> None:
     """ONE interleaved specdraft-bench run over every ablation head's final weights as the same
     EAGLE-2 dynamic tree (no early stopping by validation: equal tokens), on MT-bench first turns
     (balanced per category) alternating with HumanEval, at T=0 and T=1. It resumes where it was
@@ -421,7 +478,7 @@ def bench(max_minutes: float | None, placement: Placement) -> None:
         head_method(
             f"{name}_tree", final_checkpoint(RESULTS / "train" / name), TREE, shortlist=name not in OWN_VOCAB
         )
-        for name in ABLATION
+        for name in heads or ABLATION
     ]
     command(
         "specdraft-bench",
@@ -448,7 +505,8 @@ def training_vocab_shortlist(cache: Path) -> list[str]:
     conversations the train cache was computed from (its plan.json). The bench's default shortlist
     counts ShareGPT's original answers instead: for the quickstart's self-distilled cache only
     4,753 of its 8,192 tokens are in the training vocabulary (measured 2026-11-24)."""
-    data = json.loads((cache / "plan.json").read_text())["source"]["data"]
+    plan_source = json.loads((cache / "plan.json").read_text())["source"]
+    data = plan_source["data"]
     source = dict(data["source"])
     if source.get("path") and not Path(source["path"]).is_absolute():
         source["path"] = str(ROOT / source["path"])  # the cache's paths are relative to the repo
@@ -463,10 +521,11 @@ def training_vocab_shortlist(cache: Path) -> list[str]:
         f"shortlist.heldout_fraction={data['heldout_fraction']}",
         f"shortlist.split_seed={data['split_seed']}",
         f"shortlist.max_length={data['max_length']}",
+        f"shortlist.split_limit={value(plan_source.get('limit'))}",
     ]
 
 
-def depth(depth_steps: int = DEPTH_STEPS) -> None:
+def depth(device: str = "cpu", depth_steps: int = DEPTH_STEPS) -> None:
     """Chain acceptance per depth, own features vs the target's, of every trained ablation head
     on the held-out cache (specdraft-depth-acceptance), merged into RESULTS/DEPTH_JSON: a head
     measured already (with the per-conversation counts its interval needs) is not measured again."""
@@ -482,15 +541,19 @@ def depth(depth_steps: int = DEPTH_STEPS) -> None:
         print("depth: every trained ablation head is measured already")
         return
     partial = RESULTS / f"{DEPTH_JSON}.partial"
-    command(
-        "specdraft-depth-acceptance",
-        *(str(RESULTS / "train" / name) for name in runs),
-        f"--depth={depth_steps}",
-        f"--out={partial}",
-    )
-    new = json.loads(partial.read_text())
-    write_json_atomic(path, {**new, "runs": {**measured["runs"], **new["runs"]}})
-    partial.unlink()
+    for name in runs:  # one at a time: each reads its benched weights (an export, if it has one)
+        command(
+            "specdraft-depth-acceptance",
+            str(RESULTS / "train" / name),
+            f"--checkpoint={final_checkpoint(RESULTS / 'train' / name)}",
+            f"--device={device}",
+            f"--depth={depth_steps}",
+            f"--out={partial}",
+        )
+        new = json.loads(partial.read_text())
+        measured = {**new, "runs": {**measured["runs"], **new["runs"]}}
+        write_json_atomic(path, measured)
+        partial.unlink()
 
 
 def sweep(steps: int, features: Path | None, grid: dict[str, str], placement: Placement) -> None:
@@ -2229,7 +2292,7 @@ def main() -> None:
         "--heads",
         nargs="+",
         choices=list(ABLATION),
-        help="train only these ablation heads (the bench wants all)",
+        help="train (and bench) only these ablation heads",
     )
     parser.add_argument(
         "--features", type=Path, help="the ablation's feature caches (default: the quickstart's)"
@@ -2244,6 +2307,10 @@ def main() -> None:
     parser.add_argument(
         "--batch-tokens", type=int, default=ABLATION_BATCH_TOKENS, help="positions per ablation / sweep batch"
     )
+    parser.add_argument(
+        "--parallel", type=int, default=1, help="ablation heads trained (and exported) side by side"
+    )
+    parser.add_argument("--export-dtype", default="bfloat16", help="weights dtype of the export stage")
     parser.add_argument("--max-minutes", type=float, help="a time box for the ablation's bench (it resumes)")
     parser.add_argument(
         "--sweep", nargs="+", metavar="KEY=V1,V2", help="the sweep's grid (default: SWEEP_GRID)"
@@ -2271,11 +2338,13 @@ def main() -> None:
     started = time.perf_counter()
     for stage in args.stages:
         if stage == "ablation":
-            ablation(args.steps, args.features, placement, args.heads)
+            ablation(args.steps, args.features, placement, args.heads, args.parallel)
+        elif stage == "export":
+            export_heads(args.export_dtype, args.parallel)
         elif stage == "bench":
-            bench(args.max_minutes, placement)
+            bench(args.max_minutes, placement, args.heads)
         elif stage == "depth":
-            depth()
+            depth(placement.device)
         elif stage == "sweep":
             sweep(args.sweep_steps or args.steps, args.features, sweep_grid(parser, args.sweep), placement)
         elif stage == "curve":

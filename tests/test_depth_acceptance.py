@@ -9,9 +9,16 @@ import json
 import pytest
 import torch
 from conftest import compose_train
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
+from specdraft.data.cache import StoredFields, write_cache
+from specdraft.data.chat import tokenize_conversations
+from specdraft.data.conversations import select_conversations
+from specdraft.data.datamodule import FeatureDataModule
 from specdraft.data.features import FeatureBatch
 from specdraft.data.target import target_weights
+from specdraft.eval.cli import assistant_counts
 from specdraft.heads import Eagle3Config, Eagle3Head, EagleHead
 from specdraft.heads.rollout import rollout
 from specdraft.train import depth_acceptance
@@ -217,3 +224,36 @@ def test_the_cli_keeps_counts_per_heldout_conversation(tmp_path, caplog):
             assert torch.tensor(counts["accepted_per_conversation"]).sum(0).tolist() == counts["accepted"]
         assert run["own_features"]["attempts"][0] > 0
     assert "second: own-feature chain τ ÷ first's" in caplog.text
+
+
+def test_a_cache_whose_shards_stayed_elsewhere_recounts_its_training_vocabulary_from_its_plan(
+    tmp_path, tiny_target
+):
+    """A head trained on another machine (a GPU) comes back without its training features: the
+    reduced training vocabulary is recounted from the conversations the cache's plan names (checked
+    against its token hash), and the bench's shortlist with ``split_limit`` counts the same tokens."""
+    source = {"_target_": "specdraft.data.tiny.tiny_conversations", "count": 40, "seed": 0}
+    data = {"source": source, "max_length": 256, "heldout_fraction": 0.2, "split_seed": 0}
+    train, description = select_conversations(instantiate(source).conversations, data, "train", 20)
+    samples, _ = tokenize_conversations(tiny_target.tokenizer, train, 256, progress=False)
+    cache = tmp_path / "train"
+    write_cache(tiny_target, samples, cache, StoredFields(), description, progress=False)
+    module = FeatureDataModule("cached", tiny_target, train_cache=str(cache), val_cache=str(cache))
+    counted = module.assistant_token_counts()
+    shortlist_cfg = OmegaConf.create({**data, "split_limit": 20})
+    assert torch.equal(assistant_counts(shortlist_cfg, tiny_target), counted)
+    assert not torch.equal(
+        assistant_counts(OmegaConf.create({**data, "split_limit": None}), tiny_target), counted
+    )
+
+    assert depth_acceptance.has_shards(cache)
+    for shard in cache.glob("shard-*.safetensors"):
+        shard.unlink()
+    assert not depth_acceptance.has_shards(cache)
+    assert torch.equal(depth_acceptance.planned_assistant_counts(cache, tiny_target), counted)
+
+    plan = json.loads((cache / "plan.json").read_text())
+    plan["source"]["limit"] = 19  # a source that no longer gives the cached tokens
+    (cache / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(SystemExit, match="token_hash"):
+        depth_acceptance.planned_assistant_counts(cache, tiny_target)

@@ -522,7 +522,7 @@ def test_the_two_stage_hass_head_trains_alignment_then_topk_from_its_weights_at_
     checkpoint intervals); the steps add up to every other head's, and the snapshot counts both
     stages on one step axis. A finished first stage is not trained again."""
     calls: list[list[str]] = []
-    monkeypatch.setattr(results, "command", lambda name, *overrides: calls.append(list(overrides)))
+    monkeypatch.setattr(results, "command", lambda name, *overrides, log=None: calls.append(list(overrides)))
     results.ablation(300, tmp_path / "features", results.Placement(), heads=["hass_2stage"])
     first, second = (compose_train(tmp_path / f"s{i}", *call) for i, call in enumerate(calls))
     assert first.loss.weights.topk == 0 and first.loss.rollout.steps == 3 and first.init_from is None
@@ -591,3 +591,43 @@ def test_mixture_section_compares_the_tuned_head_with_its_base_per_turn(results,
     # 41 tokens in 2 s against plain's 41 in 4 s and prompt lookup's 41 in 2 s
     assert f"| first turns (2) | {results.MIXTURE_TUNED} | 20.50 | 2.000× | 1.000× | 2.500 |" in text
     assert "second turns: τ of" in text and "[1.250, 1.250]" in text
+
+
+def test_heads_train_side_by_side_and_travel_as_exports_which_the_bench_and_depth_read(
+    results, tmp_path: Path, monkeypatch
+) -> None:
+    """On a GPU the heads train side by side (each logging to its own file), then travel to the
+    machine that benches them as native exports: final_checkpoint prefers a run's export."""
+    calls: list[tuple[str, list[str], Path | None]] = []
+    monkeypatch.setattr(
+        results, "command", lambda name, *overrides, log=None: calls.append((name, list(overrides), log))
+    )
+    results.ablation(100, tmp_path / "features", results.Placement(), heads=["eagle", "hass"], parallel=2)
+    assert sorted(log.name for _, _, log in calls) == ["eagle.log", "hass.log"]
+    assert {f"run_name={n}" for n in ("eagle", "hass")} <= {o for _, overrides, _ in calls for o in overrides}
+
+    run = results.RESULTS / "train" / "eagle"
+    with pytest.raises(SystemExit, match="has not finished"):
+        results.final_checkpoint(run)
+    write(run / "summary.json", {"global_step": 100})
+    assert results.final_checkpoint(run) == run / "checkpoints" / "last.ckpt"
+    calls.clear()
+    results.export_heads("bfloat16")
+    ((name, overrides, _),) = calls  # only the finished head
+    assert name == "specdraft-export"
+    assert f"out={run / results.EXPORT_DIR}" in overrides and "dtype=bfloat16" in overrides
+    write(run / results.EXPORT_DIR / "config.json", {})
+    assert results.final_checkpoint(run) == run / results.EXPORT_DIR
+
+    def depth_tool(name: str, *overrides: str, log: Path | None = None) -> None:
+        calls.append((name, list(overrides), log))
+        out = next(o.removeprefix("--out=") for o in overrides if o.startswith("--out="))
+        write(Path(out), {"runs": {"eagle": {"conversations": ["a"]}}})
+
+    calls.clear()
+    monkeypatch.setattr(results, "command", depth_tool)
+    results.depth("cpu")
+    ((name, overrides, _),) = calls
+    assert name == "specdraft-depth-acceptance"
+    assert f"--checkpoint={run / results.EXPORT_DIR}" in overrides and "--device=cpu" in overrides
+    assert json.loads((results.RESULTS / results.DEPTH_JSON).read_text())["runs"]["eagle"]

@@ -210,13 +210,20 @@ def cache_directories(datamodule_cfg: DictConfig) -> list[str]:
     return directories
 
 
-def build_objective(loss_cfg: DictConfig, target: Target, datamodule: FeatureDataModule) -> DraftObjective:
+def build_objective(
+    loss_cfg: DictConfig,
+    target: Target,
+    datamodule: FeatureDataModule,
+    train_counts: torch.Tensor | None = None,
+) -> DraftObjective:
     """The objective of ``loss_cfg``; a reduced training vocabulary (``draft_vocab_size``) is the
-    most frequent assistant tokens of the training split, chosen as EAGLE-3's is."""
+    most frequent assistant tokens of the training split (``train_counts``, V; default: counted
+    from the datamodule's), chosen as EAGLE-3's is."""
     draft_vocab = None
     size = loss_cfg.get("draft_vocab_size")
     if size is not None and size < target.spec.vocab_size:
-        d2t, _ = draft_vocab_from_counts(datamodule.assistant_token_counts(), size)
+        counts = datamodule.assistant_token_counts() if train_counts is None else train_counts
+        d2t, _ = draft_vocab_from_counts(counts, size)
         draft_vocab = d2t + torch.arange(size)
     return DraftObjective(
         LossWeights(**loss_cfg.weights),

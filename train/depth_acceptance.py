@@ -32,6 +32,7 @@ confidence interval on one head's chain τ against another's measured on the sam
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,9 +46,13 @@ from torch import Tensor
 from tqdm import tqdm
 
 from specdraft.data.atomic import write_json_atomic
+from specdraft.data.cache import token_hash
+from specdraft.data.chat import tokenize_conversations
+from specdraft.data.conversations import select_conversations
 from specdraft.data.errors import user_errors
 from specdraft.data.features import FeatureBatch
 from specdraft.data.hardware import start
+from specdraft.data.target import Target
 from specdraft.eval.bench import machine_info
 from specdraft.eval.load import load_head
 from specdraft.eval.report import BOOTSTRAP_SAMPLES, CONFIDENCE, percentile_interval
@@ -187,17 +192,30 @@ def summarise(own: ChainCounts, target: ChainCounts) -> dict[str, Any]:
     return result
 
 
-def measure_run(run_dir: Path, checkpoint: Path | None, depth: int) -> dict[str, Any]:
-    """Chain acceptance per depth of a training run's head on its held-out cache."""
+def measure_run(
+    run_dir: Path, checkpoint: Path | None, depth: int, device: str | None = None
+) -> dict[str, Any]:
+    """Chain acceptance per depth of a training run's head on its held-out cache (the target on
+    ``device``, default the run's)."""
     config_path = run_dir / "run_config.yaml"
     if not config_path.is_file():
         raise SystemExit(f"{run_dir}: no run_config.yaml (not a specdraft-train run dir)")
     cfg = OmegaConf.load(config_path)
+    if device is not None:
+        cfg.target.device = device
     checkpoint = checkpoint or run_dir / "checkpoints" / "last.ckpt"
-    if not checkpoint.is_file():
+    if not checkpoint.exists():  # a .ckpt file or a native export's directory
         raise SystemExit(f"{run_dir}: no checkpoint {checkpoint}")
     features_for_objective(cfg)
     target = instantiate(cfg.target)
+    train_counts = None
+    train_cache = cfg.datamodule.get("train_cache")
+    if cfg.datamodule.mode == "cached" and isinstance(train_cache, str) and not has_shards(Path(train_cache)):
+        # Trained elsewhere (a GPU), its training features left behind: only the training
+        # vocabulary is read from them, and it is recounted from the conversations they were made of.
+        log.info("%s: %s has no shards here: its tokens are re-read from its plan", run_dir.name, train_cache)
+        train_counts = planned_assistant_counts(Path(train_cache), target)
+        cfg.datamodule.train_cache = cfg.datamodule.val_cache
     sources = {"conversations": instantiate(cfg.data.source)} if cfg.datamodule.mode == "online" else {}
     datamodule = instantiate(cfg.datamodule)(target=target, num_workers=0, **sources)
     datamodule.setup("validate")
@@ -206,7 +224,7 @@ def measure_run(run_dir: Path, checkpoint: Path | None, depth: int) -> dict[str,
         raise SystemExit(
             f"{run_dir}: a {type(head).__name__} reads no features of its own (EAGLE-kind heads only)"
         )
-    vocab = build_objective(cfg.loss, target, datamodule).draft_vocab
+    vocab = build_objective(cfg.loss, target, datamodule, train_counts).draft_vocab
     loader = datamodule.val_dataloader()
     # The loader's rows in order (it does not shuffle held-out data): each row's conversation.
     sample_ids = loader.dataset.sample_ids
@@ -230,6 +248,37 @@ def measure_run(run_dir: Path, checkpoint: Path | None, depth: int) -> dict[str,
         "conversations": conversations,
         **summarise(ChainCounts.cat(own), ChainCounts.cat(target_counts)),
     }
+
+
+def has_shards(cache: Path) -> bool:
+    """Whether every shard a feature cache's plan.json names is on this machine."""
+    plan = json.loads((cache / "plan.json").read_text())
+    return all((cache / f"{shard['name']}.safetensors").is_file() for shard in plan["shards"])
+
+
+def planned_assistant_counts(cache: Path, target: Target) -> Tensor:
+    """V int64: the assistant-token counts of a feature cache (what a reduced training vocabulary
+    is chosen from) without its shards: its conversations re-read from the source its plan.json
+    names and tokenized again, checked against the plan's token hash."""
+    plan = json.loads((cache / "plan.json").read_text())
+    described = plan["source"]
+    source = instantiate(described["data"]["source"])
+    conversations, _ = select_conversations(
+        source.conversations, described["data"], described["split"], described["limit"]
+    )
+    samples, _ = tokenize_conversations(
+        target.tokenizer, conversations, described["data"]["max_length"], progress=False
+    )
+    if token_hash(samples) != plan["token_hash"]:
+        raise SystemExit(
+            f"{cache}: its source ({described['data']['source']}) no longer tokenizes to the tokens "
+            "the cache was made of (token_hash differs): its training vocabulary cannot be recounted"
+        )
+    counts = torch.zeros(target.spec.vocab_size, dtype=torch.long)
+    for sample in samples:
+        ids = torch.tensor(sample.input_ids)[torch.tensor(sample.loss_mask, dtype=torch.bool)]
+        counts += torch.bincount(ids, minlength=counts.numel())
+    return counts
 
 
 def paired_chain_bootstrap(
@@ -290,7 +339,14 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("runs", nargs="+", type=Path, help="specdraft-train run dirs")
-    parser.add_argument("--checkpoint", type=Path, help="with ONE run: this checkpoint instead of last.ckpt")
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="with ONE run: this checkpoint (or a native export) instead of last.ckpt",
+    )
+    parser.add_argument(
+        "--device", help="the target's device (default: the run's; e.g. cpu for a head trained on a GPU)"
+    )
     parser.add_argument("--depth", type=int, default=DEFAULT_DEPTH)
     parser.add_argument("--out", type=Path, required=True, help="the JSON to write")
     args = parser.parse_args(argv)
@@ -302,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     start("specdraft-depth-acceptance")
     results = {}
     for run_dir in args.runs:
-        results[run_dir.name] = measure_run(run_dir, args.checkpoint, args.depth)
+        results[run_dir.name] = measure_run(run_dir, args.checkpoint, args.depth, args.device)
         own, target = results[run_dir.name]["own_features"], results[run_dir.name]["target_features"]
         log.info(
             "%s: acceptance per depth, own features %s, target features %s",
