@@ -700,7 +700,11 @@ def curve(per_category: int) -> None:
     )
 
 
-def doc(decoder_provenance: str | None = None, mixture_provenance: str | None = None) -> None:
+def doc(
+    decoder_provenance: str | None = None,
+    mixture_provenance: str | None = None,
+    ablation_provenance: str | None = None,
+) -> None:
     """Snapshot the runs found under LOG_DIR into docs/results/, then render docs/results.md (and
     its plots) from the snapshots.
 
@@ -708,7 +712,7 @@ def doc(decoder_provenance: str | None = None, mixture_provenance: str | None = 
     any clone. A section whose snapshot is missing keeps the text it had (its runs' outputs may be
     gone with the machine that made them); one never measured says how to measure it.
     """
-    snapshot_runs(decoder_provenance, mixture_provenance)
+    snapshot_runs(decoder_provenance, mixture_provenance, ablation_provenance)
     previous = sections(DOCS / "results.md")
     lines = [
         "# Results",
@@ -789,7 +793,11 @@ def sections(path: Path) -> dict[str, list[str]]:
 TRAINING_KEYS = ("global_step", "tokens_seen", "fit_seconds", "best_sim_tau")
 
 
-def snapshot_runs(decoder_provenance: str | None = None, mixture_provenance: str | None = None) -> None:
+def snapshot_runs(
+    decoder_provenance: str | None = None,
+    mixture_provenance: str | None = None,
+    ablation_provenance: str | None = None,
+) -> None:
     """docs/results/<section>.json for every run whose outputs are under LOG_DIR."""
     for run, (directory, _) in QUICKSTART_RUNS.items():
         report = read_json(LOG_DIR / "bench" / run / "report.json")
@@ -805,6 +813,8 @@ def snapshot_runs(decoder_provenance: str | None = None, mixture_provenance: str
             )
     snapshot = ablation_snapshot()
     if snapshot is not None:
+        previous = read_json(SNAPSHOTS / ABLATION_SNAPSHOT) or {}
+        snapshot["provenance"] = ablation_provenance or previous.get("provenance")
         write_json_atomic(SNAPSHOTS / ABLATION_SNAPSHOT, snapshot)
     snapshot = sweep_snapshot()
     if snapshot is not None:
@@ -959,6 +969,8 @@ def ablation_snapshot() -> dict | None:
             ),
             "tree": TREE,
             "max_new_tokens": report["config"]["max_new_tokens"] if report else None,
+            "trained_on": training_device(eagle_run),
+            "features": cache_source(train_cache(eagle_run)),
         },
         "prompts": {
             suite: len({r["question_id"] for r in records if member(r["category"])})
@@ -1151,6 +1163,39 @@ def train_cache(run_dir: Path) -> Path:
     """The train cache a training run read (from its resolved config)."""
     cache = Path(yaml.safe_load((run_dir / "run_config.yaml").read_text())["datamodule"]["train_cache"])
     return cache if cache.is_absolute() else ROOT / cache
+
+
+def training_device(run_dir: Path) -> str | None:
+    """What a training run ran on, as its log's first line names it ("NVIDIA H200 (bf16
+    supported)", a CPU model and its flags)."""
+    log = run_dir / "cli.log"
+    found = re.search(r"specdraft-train on (.+?);", log.read_text()) if log.is_file() else None
+    return found.group(1) if found else None
+
+
+def cache_source(cache: Path) -> dict | None:
+    """Where a feature cache's conversations came from (its plan.json): the reader, the file's
+    name, the split and the limit on it; no local paths."""
+    plan = read_json(cache / "plan.json")
+    if plan is None:
+        return None
+    described = plan["source"]
+    source = described.get("data", {}).get("source", {})
+    return {
+        "reader": source.get("_target_", "").rsplit(".", 1)[-1],
+        "file": Path(source["path"]).name if source.get("path") else None,
+        "split": described.get("split"),
+        "limit": described.get("limit"),
+    }
+
+
+def features_text(features: dict | None) -> str:
+    """The ablation's data, in words: its cache's source (older snapshots: the quickstart's)."""
+    if not features:
+        return "the quickstart's self-distilled features"
+    where = f"`{features['file']}`" if features["file"] else f"`{features['reader']}`"
+    first = f"the first {features['limit']:,} conversations of " if features["limit"] else ""
+    return f"the target's features over {first}the {features['split']} split of {where}"
 
 
 def run_data(run: str | Path) -> dict | None:
@@ -1383,13 +1428,17 @@ def ablation_section() -> list[str] | None:
     machine = (
         machine_line(snapshot) if snapshot.get("machine") else "not recorded (no bench, no depth run yet)"
     )
+    trained_on = setup.get("trained_on")
     lines = [
-        f"Machine: {machine}. Data: the quickstart's self-distilled features "
+        f"Machine: {machine}"
+        + (f"; the heads trained on {trained_on}" if trained_on else "")
+        + f". Data: {features_text(setup.get('features'))} "
         f"({data_text(snapshot['data'])}; held-out acc / τ on its held-out split). Every head: "
         f"{setup['steps']} optimiser steps over the same batches (≤ {setup['batch_tokens']:,} tokens each, "
         f"same order), cosine decay to that step, one {setup['vocab']:,}-token vocabulary (EAGLE-1/2's "
         f"training vocabulary and the decoder's shortlist, EAGLE-3's own); {benched}"
         + (f" Not trained yet: {', '.join(missing)}." if missing else "")
+        + (f" How: {snapshot['provenance']}" if snapshot.get("provenance") else "")
         + "".join(
             f" `{name}` trains as HASS's reference does: `{FIRST_STAGE_RECIPE[name]}`'s recipe for "
             f"{run['stages'][0]} steps, then Top-K added from those weights for {run['stages'][1]} steps "
@@ -2327,6 +2376,9 @@ def main() -> None:
     parser.add_argument("--mixture-checkpoint", help="the fine-tuned head the mixture stage benches")
     parser.add_argument("--mixture-provenance", help="how that head was made (kept in the snapshot)")
     parser.add_argument("--decoder-provenance", help="how that head was trained (kept in the snapshot)")
+    parser.add_argument(
+        "--ablation-provenance", help="how the ablation's data and heads were made (kept in the snapshot)"
+    )
     parser.add_argument("--train-speed", nargs="+", type=Path, help="bench_train_step.py JSON, oldest first")
     parser.add_argument("--regen-logs", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
     parser.add_argument("--regen-commits", nargs=2, metavar=("OLD", "NEW"), help="stage regen_speed")
@@ -2372,7 +2424,7 @@ def main() -> None:
                 parser.error("stage regen_speed needs --regen-logs BEFORE AFTER and --regen-commits OLD NEW")
             regen_speed(args.regen_logs, args.regen_commits, args.train_speed_command)
         elif stage == "doc":
-            doc(args.decoder_provenance, args.mixture_provenance)
+            doc(args.decoder_provenance, args.mixture_provenance, args.ablation_provenance)
         else:
             parser.error(f"unknown stage {stage!r}")
     print(f"done in {(time.perf_counter() - started) / 60:.1f} min on {platform.node() or 'this machine'}")

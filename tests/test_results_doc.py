@@ -631,3 +631,32 @@ def test_heads_train_side_by_side_and_travel_as_exports_which_the_bench_and_dept
     assert name == "specdraft-depth-acceptance"
     assert f"--checkpoint={run / results.EXPORT_DIR}" in overrides and "--device=cpu" in overrides
     assert json.loads((results.RESULTS / results.DEPTH_JSON).read_text())["runs"]["eagle"]
+
+
+def test_the_ablation_names_where_its_heads_trained_and_what_its_features_were_made_of(results, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "cli.log").write_text(
+        "[t][specdraft.data.hardware][INFO] - specdraft-train on NVIDIA H200 (bf16 supported); dtype auto\n"
+    )
+    assert results.training_device(run) == "NVIDIA H200 (bf16 supported)"
+    assert results.training_device(tmp_path / "none") is None
+    cache = tmp_path / "cache"
+    write(
+        cache / "plan.json",
+        {
+            "source": {
+                "data": {
+                    "source": {"_target_": "specdraft.data.conversations.read_jsonl", "path": "/x/c.jsonl"}
+                },
+                "split": "train",
+                "limit": 2400,
+            }
+        },
+    )
+    source = results.cache_source(cache)
+    assert source == {"reader": "read_jsonl", "file": "c.jsonl", "split": "train", "limit": 2400}
+    assert results.features_text(source) == (
+        "the target's features over the first 2,400 conversations of the train split of `c.jsonl`"
+    )
+    assert results.features_text(None) == "the quickstart's self-distilled features"
