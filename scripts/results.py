@@ -49,8 +49,8 @@ Stages (``--stages`` picks some):
 
 On a GPU every stage loads the target there (``--device cuda``; training with ``trainer=gpu``), and
 the ablation and sweep heads may share another precision and batch size: e.g. ``--stages ablation
-depth bench doc --device cuda --precision bf16-mixed --batch-tokens 16384 --steps 350`` trains
-every head on ~5.7M tokens.
+export --device cuda --precision bf16-mixed --batch-tokens 20480 --steps 300 --parallel 7`` trained
+every head on 5.93M tokens on an H200 (2026-11-26), whose exports were then benched on a CPU.
 
 The stages write JSON (and CSV training logs); ``doc`` snapshots what the doc needs from them into
 docs/results/ and renders the doc from those snapshots only. ``--stages`` defaults to the
