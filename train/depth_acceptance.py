@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from specdraft.data.atomic import write_json_atomic
 from specdraft.data.cache import token_hash
-from specdraft.data.chat import tokenize_conversations
+from specdraft.data.chat import assistant_token_counts, tokenize_conversations
 from specdraft.data.conversations import select_conversations
 from specdraft.data.errors import user_errors
 from specdraft.data.features import FeatureBatch
@@ -274,11 +274,7 @@ def planned_assistant_counts(cache: Path, target: Target) -> Tensor:
             f"{cache}: its source ({described['data']['source']}) no longer tokenizes to the tokens "
             "the cache was made of (token_hash differs): its training vocabulary cannot be recounted"
         )
-    counts = torch.zeros(target.spec.vocab_size, dtype=torch.long)
-    for sample in samples:
-        ids = torch.tensor(sample.input_ids)[torch.tensor(sample.loss_mask, dtype=torch.bool)]
-        counts += torch.bincount(ids, minlength=counts.numel())
-    return counts
+    return assistant_token_counts(samples, target.spec.vocab_size)
 
 
 def paired_chain_bootstrap(
