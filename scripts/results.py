@@ -813,9 +813,9 @@ def snapshot_runs(
             )
     snapshot = ablation_snapshot()
     if snapshot is not None:
-        previous = read_json(SNAPSHOTS / ABLATION_SNAPSHOT) or {}
-        snapshot["provenance"] = ablation_provenance or previous.get("provenance")
-        write_json_atomic(SNAPSHOTS / ABLATION_SNAPSHOT, snapshot)
+        write_json_atomic(
+            SNAPSHOTS / ABLATION_SNAPSHOT, with_provenance(snapshot, ABLATION_SNAPSHOT, ablation_provenance)
+        )
     snapshot = sweep_snapshot()
     if snapshot is not None:
         write_json_atomic(SNAPSHOTS / SWEEP_SNAPSHOT, snapshot)
@@ -858,9 +858,7 @@ def snapshot_runs(
         name = machine_snapshot(MIXTURE_SNAPSHOT, report["machine"].get("hardware") or {})
         settings = read_json(mixture_dir / "run_config.json") or {}
         snapshot = mixture_snapshot(report, settings, read_records(mixture_dir))
-        previous = read_json(SNAPSHOTS / name) or {}
-        snapshot["provenance"] = mixture_provenance or previous.get("provenance")
-        write_json_atomic(SNAPSHOTS / name, snapshot)
+        write_json_atomic(SNAPSHOTS / name, with_provenance(snapshot, name, mixture_provenance))
     report = read_json(RESULTS / "bench" / "decoder" / "report.json")
     if report is not None:
         name = machine_snapshot("decoder", report["machine"].get("hardware") or {})
@@ -874,6 +872,13 @@ def snapshot_runs(
             },
         }
         write_json_atomic(SNAPSHOTS / name, snapshot)
+
+
+def with_provenance(snapshot: dict, name: str, provenance: str | None) -> dict:
+    """``snapshot`` with how its runs were made: ``provenance`` if given, else what the committed
+    snapshot ``name`` says (a re-render without the flag keeps it)."""
+    previous = read_json(SNAPSHOTS / name) or {}
+    return {**snapshot, "provenance": provenance or previous.get("provenance")}
 
 
 def mixture_snapshot(report: dict, settings: dict, records: list[dict]) -> dict:
@@ -1740,7 +1745,7 @@ def mixture_table(snapshot: dict) -> list[str]:
         ratio = turn["tuned_vs_base"]["ratio"]
         lines.append(
             f"- {label}: τ of `{MIXTURE_TUNED}` ÷ `{MIXTURE_BASE}` = {ratio['estimate']:.3f}"
-            f" (95 % paired bootstrap CI by question [{ratio['low']:.3f}, {ratio['high']:.3f}])."
+            f" ({CONFIDENCE:.0%} paired bootstrap CI by question [{ratio['low']:.3f}, {ratio['high']:.3f}])."
         )
     return [*lines, ""]
 

@@ -211,11 +211,14 @@ def measure_run(
     train_counts = None
     train_cache = cfg.datamodule.get("train_cache")
     if cfg.datamodule.mode == "cached" and isinstance(train_cache, str) and not has_shards(Path(train_cache)):
-        # Trained elsewhere (a GPU), its training features left behind: only the training
+        # Trained elsewhere (a GPU), its training features left behind: only a reduced training
         # vocabulary is read from them, and it is recounted from the conversations they were made of.
-        log.info("%s: %s has no shards here: its tokens are re-read from its plan", run_dir.name, train_cache)
-        train_counts = planned_assistant_counts(Path(train_cache), target)
-        cfg.datamodule.train_cache = cfg.datamodule.val_cache
+        if cfg.loss.get("draft_vocab_size"):
+            log.info(
+                "%s: %s has no shards here: its tokens are re-read from its plan", run_dir.name, train_cache
+            )
+            train_counts = planned_assistant_counts(Path(train_cache), target)
+        cfg.datamodule.train_cache = cfg.datamodule.val_cache  # setup reads it; nothing else does
     sources = {"conversations": instantiate(cfg.data.source)} if cfg.datamodule.mode == "online" else {}
     datamodule = instantiate(cfg.datamodule)(target=target, num_workers=0, **sources)
     datamodule.setup("validate")
