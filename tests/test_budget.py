@@ -32,7 +32,7 @@ THROUGHPUT = Throughput(
 RULES = BudgetRules(
     margin=0.05, eval_share=0.2, data_share=0.5, answer_tokens=190, min_conversations=64, min_train_steps=50
 )
-SHAPE = TrainShape(heldout_fraction=0.05, val_check_interval=50, limit_val_batches=8)
+SHAPE = TrainShape(heldout_fraction=0.05, validations=4, limit_val_batches=8)
 
 
 def plan(budget_minutes: float = 45, throughput: Throughput = THROUGHPUT, **sizes):
@@ -86,7 +86,8 @@ def test_a_budget_too_small_is_refused_with_the_minutes_that_would_do():
         plan(budget_minutes=10)
     needed = int(re.search(r"ask for (\d+) minutes", str(caught.value)).group(1))
     enough = plan(budget_minutes=needed)
-    assert needed < 30  # and not far above what is needed
+    with pytest.raises(BudgetError):  # and not far above what is needed (it adds a minute)
+        plan(budget_minutes=needed - 2)
     assert enough.conversations >= RULES.min_conversations and enough.train_steps >= RULES.min_train_steps
     # with the data fixed, the minutes asked for hold that data and the minimum of training
     with pytest.raises(BudgetError) as caught:
@@ -100,12 +101,38 @@ def test_no_plan_asks_for_more_conversations_than_the_source_holds_and_fractions
         plan(budget_minutes=600, throughput=replace(THROUGHPUT, source_conversations=500)).conversations
         == 500
     )
-    every_step = replace(SHAPE, val_check_interval=1)  # validations weigh: the difference shows
-    whole = make_plan(45, THROUGHPUT, RULES, replace(every_step, limit_val_batches=1.0), True)
-    tenth = make_plan(45, THROUGHPUT, RULES, replace(every_step, limit_val_batches=0.1), True)
-    assert whole.train_steps < tenth.train_steps  # a float is the fraction of the held-out split
-    with pytest.raises(ValueError, match="val_check_interval must be an int"):
-        TrainShape(0.05, 0.5, 8)
+    many = replace(SHAPE, validations=20)  # validations weigh: the difference shows
+    whole = make_plan(45, THROUGHPUT, RULES, replace(many, limit_val_batches=1.0), True, train_steps=100)
+    tenth = make_plan(45, THROUGHPUT, RULES, replace(many, limit_val_batches=0.1), True, train_steps=100)
+    # a float is the fraction of the held-out split
+    assert whole.eta_s["train"] - tenth.eta_s["train"] == pytest.approx(
+        20 * 0.9 * 0.05 * whole.conversations * 0.8 * 290 / THROUGHPUT.val_positions_per_s, rel=1e-2
+    )
+    for wrong in (-1, 2.5):
+        with pytest.raises(ValueError, match=r"budget\.validations must be an int >= 0"):
+            TrainShape(0.05, wrong, 8)
+
+
+def test_validations_are_a_fixed_number_spread_over_the_run_and_fewer_of_them_buy_steps():
+    for validations in (0, 1, 3, 4, 7):
+        made = make_plan(45, THROUGHPUT, RULES, replace(SHAPE, validations=validations), True)
+        periodic = made.train_steps // made.val_check_interval
+        # one more falls on the last step when the interval divides the run
+        assert validations <= periodic <= validations + 1
+        assert made.val_check_interval * validations < made.train_steps
+    fewer = make_plan(45, THROUGHPUT, RULES, replace(SHAPE, validations=2), True)
+    more = make_plan(45, THROUGHPUT, RULES, replace(SHAPE, validations=10), True)
+    validation_s = SHAPE.limit_val_batches * THROUGHPUT.train_batch_positions / THROUGHPUT.val_positions_per_s
+    assert fewer.conversations == more.conversations
+    gained = 8 * validation_s / THROUGHPUT.train_step_s
+    assert fewer.train_steps - more.train_steps == pytest.approx(gained, abs=1)
+    # steps the user fixed are kept; the ETA counts the validations they get
+    fixed = plan(train_steps=101)
+    assert (fixed.train_steps, fixed.val_check_interval) == (101, 21)  # steps 21, 42, 63, 84
+    heldout_s = 0.05 * fixed.conversations * 0.8 * 290 / THROUGHPUT.val_positions_per_s  # the final one
+    assert fixed.eta_s["train"] == pytest.approx(
+        THROUGHPUT.startup_s + 101 * THROUGHPUT.train_step_s + 4 * validation_s + heldout_s, rel=1e-3
+    )
 
 
 class _Batch:

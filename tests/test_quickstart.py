@@ -3,6 +3,7 @@ tiny target."""
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from specdraft.train.budget import Plan
 from specdraft.train.quickstart import load_or_make_plan, stages
 
 PLAN = Plan(45, 700, 321, 9.0, {"probe": 60.0, "regen": 600.0, "cache train": 100.0,
-            "cache heldout": 10.0, "train": 900.0, "export": 10.0, "eval": 540.0})  # fmt: skip
+            "cache heldout": 10.0, "train": 900.0, "export": 10.0, "eval": 540.0}, 81)  # fmt: skip
 
 
 def compose_quickstart(*overrides: str):
@@ -49,6 +50,7 @@ def test_each_stage_reads_what_the_previous_one_wrote(tmp_path):
     assert value(by_name["regen"], "out_path").endswith("quickstart-train-700.jsonl")
     assert value(by_name["train"], "trainer.max_steps") == "321"
     assert value(by_name["train"], "trainer.max_time") == "00:00:18:45"  # 1.25 × the ETA: a guard
+    assert value(by_name["train"], "trainer.val_check_interval") == "81"
     assert value(by_name["eval"], "max_minutes") == "9.00"
 
     original = stages(compose_quickstart(f"paths.log_dir={tmp_path}", "self_distill=false"), PLAN)
@@ -58,9 +60,10 @@ def test_each_stage_reads_what_the_previous_one_wrote(tmp_path):
     assert value(original[0], "out_dir") != value(by_name["cache train"], "out_dir")
 
 
-def test_the_plan_owns_the_training_length(tmp_path):
-    cfg = compose_quickstart(f"paths.log_dir={tmp_path}", stage_overrides("train", "trainer.max_steps=800"))
-    with pytest.raises(SystemExit, match=r"overrides.train sets trainer.max_steps.*pass train_steps=N"):
+@pytest.mark.parametrize("key", ["trainer.max_steps", "trainer.val_check_interval"])
+def test_the_plan_owns_the_training_length_and_its_validations(tmp_path, key):
+    cfg = compose_quickstart(f"paths.log_dir={tmp_path}", stage_overrides("train", f"{key}=800"))
+    with pytest.raises(SystemExit, match=rf"overrides.train sets {key}.*pass train_steps=N"):
         load_or_make_plan(cfg)  # refused before probing anything
 
 
@@ -82,6 +85,7 @@ def test_the_quickstart_runs_end_to_end_and_resumes_on_the_tiny_target(tmp_path)
         "conversations=30",
         "train_steps=4",
         "heldout_fraction=0.2",
+        "budget.validations=1",
         stage_overrides(
             "regen", tiny, talkative, "data=tiny", "generation.max_new_tokens=12", "progress=false"
         ),
@@ -90,7 +94,6 @@ def test_the_quickstart_runs_end_to_end_and_resumes_on_the_tiny_target(tmp_path)
             "train",
             tiny,
             talkative,
-            "trainer.val_check_interval=2",
             "trainer.precision=32-true",
             "datamodule.max_batch_tokens=1024",
             "callbacks.progress.refresh_rate=0",
@@ -106,6 +109,10 @@ def test_the_quickstart_runs_end_to_end_and_resumes_on_the_tiny_target(tmp_path)
     out = tmp_path / "quickstart"
     plan = json.loads((out / "plan-quickstart.json").read_text())
     assert (plan["plan"]["conversations"], plan["plan"]["train_steps"]) == (30, 4)  # as asked
+    assert plan["plan"]["val_check_interval"] == 2  # 1 mid-run (step 2); 4 = 2 × 2 validates too
+    with next((tmp_path / "train" / "quickstart").rglob("metrics.csv")).open() as metrics:
+        validated = {int(row["step"]) for row in csv.DictReader(metrics) if row.get("val/sim_tau")}
+    assert {1, 3} <= validated  # Lightning logs the validation after step k at step k − 1
     assert plan["throughput"]["train_step_s"] > 0 and plan["throughput"]["regen_step_s"] > 0
     assert set(json.loads((out / "timings-quickstart.json").read_text())) >= {"regen", "train", "total"}
     assert json.loads((out / "head" / "config.json").read_text())["format"] == "specdraft-head"

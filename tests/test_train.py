@@ -20,7 +20,8 @@ from specdraft.data.features import TokenBatch, extract_features
 from specdraft.data.hardware import resolve_precision
 from specdraft.data.target import target_weights
 from specdraft.heads import EagleHead
-from specdraft.train.cli import train
+from specdraft.heads.formats import read_checkpoint
+from specdraft.train.cli import prefer_final_weights, train
 from specdraft.train.losses import LossWeights
 from specdraft.train.module import DraftHeadModule
 from specdraft.train.objective import DraftObjective, RolloutConfig
@@ -55,6 +56,34 @@ def test_every_experiment_trains_validates_and_checkpoints(tmp_path, experiment)
         # The tiny vocabulary (259) is smaller than the default 32k draft vocab: the full vocab is used.
         assert record["config"]["draft_vocab_size"] is None
         assert state["head.d2t"].numel() == 259
+
+
+def test_the_final_weights_are_the_best_checkpoint_unless_a_validation_beat_them(tmp_path):
+    """A run stopped by max_time, or whose last steps came after its last validation, would export
+    older weights: validated at the end on the whole set, the final weights become the best
+    checkpoint (what the export and the bench read) unless a periodic validation scored higher."""
+    saved: list[Path] = []
+    tied = {"global_step": 7, "best_sim_tau": 1.5, "best_checkpoint": "old"}
+    tied["final_val"] = {"val/sim_tau": 1.5}
+    prefer_final_weights(tied, tmp_path, saved.append)
+    assert saved == [tmp_path / "checkpoints" / "final-step=7.ckpt"]
+    assert (tied["best_checkpoint"], tied["best_sim_tau"]) == (str(saved[0]), 1.5)
+    beaten = {**tied, "best_checkpoint": "old", "final_val": {"val/sim_tau": 1.4}}
+    prefer_final_weights(beaten, tmp_path, saved.append)
+    assert len(saved) == 1 and (beaten["best_checkpoint"], beaten["best_sim_tau"]) == ("old", 1.5)
+
+    # no validation during the run: the final weights are the best, saved where export finds them
+    no_periodic = ["validate_at_end=true", "trainer.val_check_interval=100"]
+    summary = train(compose_train(tmp_path / "run", "experiment=eagle", "debug=smoke", *no_periodic))
+    best = Path(summary["best_checkpoint"])
+    assert best == tmp_path / "run" / "checkpoints" / "final-step=6.ckpt"
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["best_checkpoint"] == str(best)
+    assert summary["best_sim_tau"] == summary["final_val"]["val/sim_tau"]
+    final, last = read_checkpoint(best), read_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert final.kind == last.kind == "eagle"
+    assert final.state.keys() == last.state.keys()
+    for name, tensor in last.state.items():
+        torch.testing.assert_close(final.state[name], tensor, rtol=0, atol=0, msg=name)
 
 
 def test_eagle3_reduced_draft_vocab_from_assistant_tokens(tmp_path):

@@ -122,31 +122,30 @@ class BudgetRules:
 
 @dataclass(frozen=True)
 class TrainShape:
-    """What the training stage's config says about its validation cost: every
-    ``val_check_interval`` steps, ``limit_val_batches`` batches (an int) or that fraction of the
-    held-out split (a float, Lightning's convention: 1.0 is all of it)."""
+    """The training stage's validations: ``validations`` evenly spaced during the run (then the
+    final weights on the whole held-out split), each of ``limit_val_batches`` batches (an int)
+    or that fraction of the held-out split (a float, Lightning's convention: 1.0 is all of it)."""
 
     heldout_fraction: float
-    val_check_interval: int
+    validations: int
     limit_val_batches: int | float
 
     def __post_init__(self) -> None:
-        if not isinstance(self.val_check_interval, int):
-            raise ValueError(
-                "the quickstart plans validations every N steps: trainer.val_check_interval must be an "
-                f"int, got {self.val_check_interval!r}"
-            )
+        if not isinstance(self.validations, int) or self.validations < 0:
+            raise ValueError(f"budget.validations must be an int >= 0, got {self.validations!r}")
 
 
 @dataclass(frozen=True)
 class Plan:
-    """The sizes of the stages and the expected seconds of each (``eta_s``, by stage name)."""
+    """The sizes of the stages and the expected seconds of each (``eta_s``, by stage name);
+    ``val_check_interval``: training steps between two validations."""
 
     budget_minutes: float
     conversations: int
     train_steps: int
     eval_minutes: float
     eta_s: dict[str, float]
+    val_check_interval: int
 
     @property
     def total_s(self) -> float:
@@ -204,23 +203,24 @@ def make_plan(
         )
     heldout_tokens = shape.heldout_fraction * conversations * tokens
 
-    # One optimizer step, plus its share of the periodic validations; then the final one over
-    # the whole held-out split.
+    # The optimizer steps, the periodic validations (a fixed number: their cost does not grow
+    # with the steps), then the final weights over the whole held-out split.
     final_val_s = heldout_tokens / t.val_positions_per_s
     if isinstance(shape.limit_val_batches, float):
         validation_s = shape.limit_val_batches * final_val_s
     else:
         validation_s = shape.limit_val_batches * t.train_batch_positions / t.val_positions_per_s
-    per_step_s = t.train_step_s + validation_s / shape.val_check_interval
+    validations_s = shape.validations * validation_s
     if train_steps is None:
-        train_left_s = left_s - conversations * per_conversation_s - final_val_s
-        train_steps = math.floor(train_left_s / per_step_s)
+        train_left_s = left_s - conversations * per_conversation_s - final_val_s - validations_s
+        train_steps = math.floor(train_left_s / t.train_step_s)
+    val_check_interval = validation_interval(train_steps, shape.validations)
 
     if (sized_conversations and conversations < rules.min_conversations) or (
         sized_steps and train_steps < rules.min_train_steps
     ):
         needed = _smallest_budget_s(
-            t, rules, shape, per_conversation_s, per_step_s, tokens, len(stage_names),
+            t, rules, shape, per_conversation_s, validations_s, tokens, len(stage_names),
             None if sized_conversations else conversations, None if sized_steps else train_steps,
             None if eval_minutes is None else eval_s,
         )  # fmt: skip
@@ -237,11 +237,21 @@ def make_plan(
         eta["regen"] = t.startup_s + conversations * regen_s
     eta["cache train"] = t.startup_s + (conversations - heldout) * tokens / t.cache_tokens_per_s
     eta["cache heldout"] = t.startup_s + heldout * tokens / t.cache_tokens_per_s
-    eta["train"] = t.startup_s + train_steps * per_step_s + final_val_s
+    validated = train_steps // val_check_interval * validation_s
+    eta["train"] = t.startup_s + train_steps * t.train_step_s + validated + final_val_s
     eta["export"] = t.startup_s
     eta["eval"] = t.startup_s + eval_s
     eta = {"probe": t.probe_s, **{name: round(seconds, 1) for name, seconds in eta.items()}}
-    return Plan(budget_minutes, conversations, train_steps, eval_s / SECONDS_PER_MINUTE, eta)
+    return Plan(
+        budget_minutes, conversations, train_steps, eval_s / SECONDS_PER_MINUTE, eta, val_check_interval
+    )
+
+
+def validation_interval(train_steps: int, validations: int) -> int:
+    """Steps between two periodic validations: ``validations`` of them spaced evenly over a
+    ``train_steps`` run (one more falls on its last step when the interval divides it; none: an
+    interval past its end)."""
+    return max(1, math.ceil(train_steps / (validations + 1))) if validations else train_steps + 1
 
 
 def _smallest_budget_s(
@@ -249,7 +259,7 @@ def _smallest_budget_s(
     rules: BudgetRules,
     shape: TrainShape,
     per_conversation_s: float,
-    per_step_s: float,
+    validations_s: float,
     tokens: float,
     stages: int,
     conversations: int | None,
@@ -259,7 +269,7 @@ def _smallest_budget_s(
     """The smallest budget whose plan meets both minimums, given what the user fixed. The final
     validation grows with the conversations (``k`` seconds per second of data)."""
     k = shape.heldout_fraction * tokens / t.val_positions_per_s / per_conversation_s
-    steps_s = (train_steps or rules.min_train_steps) * per_step_s
+    steps_s = (train_steps or rules.min_train_steps) * t.train_step_s + validations_s
     if conversations is not None:  # the data is fixed: the rest must hold the training
         left_s = conversations * per_conversation_s * (1 + k) + steps_s
     elif train_steps is not None:  # the steps are fixed: the data share must hold the minimum
@@ -529,7 +539,8 @@ def describe(plan: Plan, throughput: Throughput, hardware: str, eval_what: str, 
         "cache train": f"features at {t.cache_tokens_per_s:,.0f} tokens/s",
         "cache heldout": "",
         "train": f"{plan.train_steps} steps × {t.train_batch_positions:,} positions "
-        f"({t.train_batch_positions / t.train_step_s:,.0f} positions/s)",
+        f"({t.train_batch_positions / t.train_step_s:,.0f} positions/s), validated every "
+        f"{plan.val_check_interval}",
         "export": "",
         "eval": f"time box {plan.eval_minutes:.1f} min: {eval_what}",
     }

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,9 @@ from specdraft.train.callbacks import ThroughputMonitor, peak_memory_bytes
 from specdraft.train.fused import DEFAULT_CHUNK_SIZE
 from specdraft.train.loggers import finish_loggers
 from specdraft.train.losses import LossWeights
-from specdraft.train.module import DraftHeadModule
+from specdraft.train.module import SIM_TAU, DraftHeadModule
 from specdraft.train.objective import DraftObjective, RolloutConfig
-from specdraft.train.run_dir import prepare_run_dir
+from specdraft.train.run_dir import FINAL_CHECKPOINT, prepare_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         trainer.limit_val_batches = 1.0
         final = trainer.validate(module, datamodule=datamodule, verbose=False)
         summary["final_val"] = {k: float(v) for k, v in final[0].items()} if final else {}
+        prefer_final_weights(summary, run_dir, lambda path: trainer.save_checkpoint(path, weights_only=True))
     finish_loggers(loggers)
     if trainer.is_global_zero:
         write_json_atomic(run_dir / "summary.json", summary)
@@ -238,8 +240,24 @@ def count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
+def prefer_final_weights(summary: dict[str, Any], run_dir: Path, save: Callable[[Path], None]) -> None:
+    """Make the final weights the run's best checkpoint (``save`` writes them to
+    ``checkpoints/final-step=N.ckpt``) when their simulated τ on the whole validation set
+    (``summary["final_val"]``) is at least the best periodic validation's. Else a run stopped by
+    ``max_time``, or whose last steps came after its last validation, exports older weights:
+    the export (and the bench) take ``best_checkpoint``."""
+    final = summary.get("final_val", {}).get(SIM_TAU)
+    best = summary.get("best_sim_tau")
+    if final is None or (best is not None and final < best):
+        return
+    path = run_dir / FINAL_CHECKPOINT.format(step=summary["global_step"])
+    save(path)
+    log.info("final weights (simulated tau %.4f, best validation %s) are the best: %s", final, best, path)
+    summary["best_sim_tau"], summary["best_checkpoint"] = final, str(path)
+
+
 def run_summary(trainer: L.Trainer, module: DraftHeadModule, seconds: float, resumed: str | None) -> dict:
-    best = next((c for c in trainer.checkpoint_callbacks if c.monitor == "val/sim_tau"), None)
+    best = next((c for c in trainer.checkpoint_callbacks if c.monitor == SIM_TAU), None)
     throughput = next((c for c in trainer.callbacks if isinstance(c, ThroughputMonitor)), None)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
     return {

@@ -20,6 +20,8 @@ from specdraft.data.features import FeatureBatch
 from specdraft.heads.registry import CHECKPOINT_KEY
 from specdraft.train.objective import DraftObjective, ObjectiveOutput, simulated_tau
 
+SIM_TAU = "val/sim_tau"  # the validation metric the best checkpoint is chosen by
+
 
 class DraftHeadModule(L.LightningModule):
     """Trains ``head`` on FeatureBatches with ``objective``.
@@ -116,7 +118,7 @@ class DraftHeadModule(L.LightningModule):
         metrics = {"val/loss": loss / batches}
         metrics.update({f"val/acc_{j}": acc for j, acc in enumerate(accuracy, start=1)})
         self.log_dict(metrics)
-        self.log("val/sim_tau", simulated_tau(accuracy), prog_bar=True)
+        self.log(SIM_TAU, simulated_tau(accuracy), prog_bar=True)
 
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(params=[p for p in self.head.parameters() if p.requires_grad])

@@ -59,7 +59,8 @@ PLAN_KEYS = ("budget_minutes", "conversations", "train_steps", "self_distill", "
              "heldout_fraction", "regen", "top_k", "aux_layers")  # fmt: skip
 
 
-PLANNED_TRAIN_KEYS = ("trainer.max_steps", "trainer.max_time")  # overrides.train may not set them
+# overrides.train may not set them
+PLANNED_TRAIN_KEYS = ("trainer.max_steps", "trainer.max_time", "trainer.val_check_interval")
 TRAIN_TIME_GUARD = 1.25  # training's max_time, × its ETA
 # MT-bench's categories: the fallback prompts (without Spec-Bench) take as many questions as
 # per_category × this, so the eval's size does not depend on which prompts are at hand.
@@ -130,6 +131,7 @@ def stages(cfg: DictConfig, plan: Plan) -> list[Stage]:
                 f"datamodule.val_cache={features['heldout']}",
                 f"trainer.max_steps={plan.train_steps}",
                 f"trainer.max_time={lightning_duration(max_time)}",
+                f"trainer.val_check_interval={plan.val_check_interval}",
                 *common,
                 *cfg.overrides.train,
             ],
@@ -258,7 +260,8 @@ def load_or_make_plan(cfg: DictConfig) -> tuple[Plan, Throughput]:
         if any(o.split("=", 1)[0].lstrip("+~") == key for o in cfg.overrides.train):
             raise SystemExit(
                 f"quickstart: overrides.train sets {key}, which the plan sets (with a max_time guard "
-                "from its ETA): pass train_steps=N instead"
+                "from its ETA, and validations evenly spaced to the last step): pass train_steps=N or "
+                "budget.validations=N instead"
             )
     path = Path(cfg.dir) / f"plan-{run_name(cfg)}.json"
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -307,11 +310,9 @@ def load_or_make_plan(cfg: DictConfig) -> tuple[Plan, Throughput]:
     throughput = probe(
         data_cfg, train_cfg, fields, cache_cfg.batch_tokens, settings, regen_cfg, answer_tokens
     )
-    rules = BudgetRules(**{k: v for k, v in cfg.budget.items() if k != "probe"})
+    rules = BudgetRules(**{k: v for k, v in cfg.budget.items() if k not in ("probe", "validations")})
     try:
-        shape = TrainShape(
-            cfg.heldout_fraction, train_cfg.trainer.val_check_interval, train_cfg.trainer.limit_val_batches
-        )
+        shape = TrainShape(cfg.heldout_fraction, cfg.budget.validations, train_cfg.trainer.limit_val_batches)
         plan = make_plan(
             cfg.budget_minutes, throughput, rules, shape, cfg.self_distill,
             cfg.conversations, cfg.train_steps, cfg.eval.max_minutes,

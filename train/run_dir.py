@@ -17,6 +17,7 @@ from specdraft.data.atomic import setting_differences, write_bytes_atomic
 
 RUN_CONFIG = "run_config.yaml"
 LAST_CHECKPOINT = "checkpoints/last.ckpt"
+FINAL_CHECKPOINT = "checkpoints/final-step={step}.ckpt"  # the final weights, when they are the best
 
 
 class RunDirError(ValueError):
