@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from specdraft.data.chat import TokenizedConversation
 from specdraft.train import budget
 from specdraft.train.budget import BudgetError, BudgetRules, ProbeSettings, Throughput, TrainShape, make_plan
 
@@ -169,3 +170,19 @@ def test_probe_settings_need_a_timed_step_after_the_warm_up():
     ProbeSettings(regen_new_tokens=2, cache_tokens=100, train_steps=3)
     with pytest.raises(ValueError, match="train_steps >= 3"):
         ProbeSettings(regen_new_tokens=2, cache_tokens=100, train_steps=2)
+
+
+def test_the_cache_probe_takes_the_writers_fixed_cost_out_of_its_rate(monkeypatch, tmp_path):
+    """A cache stage pays the writer's fixed cost (planning, the shard file, its hash) once; the
+    probe's few thousand tokens would pay it per few thousand: a single sample measures it."""
+    now = [0.0]
+    monkeypatch.setattr(budget.time, "perf_counter", lambda: now[0])
+
+    def write_cache(target, samples, out_dir, *args, **kwargs):  # 1.5 s + 1 ms per token
+        now[0] += 1.5 + 0.001 * sum(len(s.input_ids) for s in samples)
+
+    monkeypatch.setattr(budget, "write_cache", write_cache)
+    samples = [TokenizedConversation(str(i), [0] * 300, [1] * 300) for i in range(40)]
+    settings = ProbeSettings(regen_new_tokens=2, cache_tokens=3000, train_steps=3)
+    rate = budget._probe_cache(None, samples, None, 1024, tmp_path / "features", settings)
+    assert rate == pytest.approx(1000.0)  # not 3000 tokens / 4.5 s = 667
