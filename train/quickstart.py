@@ -260,7 +260,7 @@ def load_or_make_plan(cfg: DictConfig) -> tuple[Plan, Throughput]:
         if any(o.split("=", 1)[0].lstrip("+~") == key for o in cfg.overrides.train):
             raise SystemExit(
                 f"quickstart: overrides.train sets {key}, which the plan sets (with a max_time guard "
-                "from its ETA, and validations evenly spaced to the last step): pass train_steps=N or "
+                "from its ETA, and budget.validations spaced over the run): pass train_steps=N or "
                 "budget.validations=N instead"
             )
     path = Path(cfg.dir) / f"plan-{run_name(cfg)}.json"
