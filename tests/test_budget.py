@@ -36,6 +36,12 @@ RULES = BudgetRules(
 SHAPE = TrainShape(heldout_fraction=0.05, validations=4, limit_val_batches=8)
 
 
+def heldout_validation_s(made) -> float:
+    """One validation over the whole held-out split: 5 % of the conversations, 0.8 answered × (100
+    prompt + 190 answer) tokens each."""
+    return SHAPE.heldout_fraction * made.conversations * 0.8 * 290 / THROUGHPUT.val_positions_per_s
+
+
 def plan(budget_minutes: float = 45, throughput: Throughput = THROUGHPUT, **sizes):
     return make_plan(budget_minutes, throughput, RULES, SHAPE, sizes.pop("self_distill", True), **sizes)
 
@@ -107,7 +113,7 @@ def test_no_plan_asks_for_more_conversations_than_the_source_holds_and_fractions
     tenth = make_plan(45, THROUGHPUT, RULES, replace(many, limit_val_batches=0.1), True, train_steps=100)
     # a float is the fraction of the held-out split
     assert whole.eta_s["train"] - tenth.eta_s["train"] == pytest.approx(
-        20 * 0.9 * 0.05 * whole.conversations * 0.8 * 290 / THROUGHPUT.val_positions_per_s, rel=1e-2
+        20 * 0.9 * heldout_validation_s(whole), rel=1e-2
     )
     for wrong in (-1, 2.5):
         with pytest.raises(ValueError, match=r"budget\.validations must be an int >= 0"):
@@ -130,7 +136,7 @@ def test_validations_are_a_fixed_number_spread_over_the_run_and_fewer_of_them_bu
     # steps the user fixed are kept; the ETA counts the validations they get
     fixed = plan(train_steps=101)
     assert (fixed.train_steps, fixed.val_check_interval) == (101, 21)  # steps 21, 42, 63, 84
-    heldout_s = 0.05 * fixed.conversations * 0.8 * 290 / THROUGHPUT.val_positions_per_s  # the final one
+    heldout_s = heldout_validation_s(fixed)  # the final one
     assert fixed.eta_s["train"] == pytest.approx(
         THROUGHPUT.startup_s + 101 * THROUGHPUT.train_step_s + 4 * validation_s + heldout_s, rel=1e-3
     )
