@@ -34,6 +34,7 @@ from specdraft.train.losses import LossWeights
 from specdraft.train.objective import DraftObjective, RolloutConfig
 
 VARIANTS = {
+    "quickstart": ["experiment=quickstart"],  # EAGLE with the 8,192-token training vocabulary
     "eagle": ["experiment=eagle"],
     "hass": ["experiment=hass"],
     "eagle3": ["experiment=eagle3"],
@@ -97,6 +98,8 @@ def batches(datamodule, count: int, training: bool):
 
 
 def cast(batch, dtype):
+    if dtype is None:
+        return batch
     for name in ("hidden", "aux", "input_hidden"):
         value = getattr(batch, name)
         if value is not None and value.dtype != dtype:
@@ -135,7 +138,9 @@ def main() -> None:
     runs = {}
     for name in args.variants:
         _, head, objective, optimizer, datamodule = build(name, VARIANTS[name], args)
-        dtype = next(head.parameters()).dtype
+        # As the training module feeds the objective: bf16-mixed takes the features as they are
+        # (autocast casts), full precision needs them in the head's parameter dtype.
+        dtype = None if precision.startswith("bf16") else next(head.parameters()).dtype
         train = [cast(b, dtype) for b in batches(datamodule, args.batches, training=True)]
         val = [cast(b, dtype) for b in batches(datamodule, 2, training=False)]
         record = {"experiment": VARIANTS[name], "train_ms": [], "val_ms": [], "tokens": []}

@@ -183,3 +183,37 @@ def test_per_step_projections_and_no_grad():
     torch.testing.assert_close(evaluated.terms, out.terms)
     with pytest.raises(ValueError, match="3 per-step draft weights for 2 steps"):
         fused_vocab_losses(hidden, torch.randn(3, vocab_size, h, dtype=dtype), *arguments[2:])
+
+
+@pytest.mark.parametrize("per_step", [False, True])
+def test_bf16_inputs_agree_with_the_fp64_reference(per_step):
+    """bf16 hidden states and projections (bf16-mixed training) take the reduced-precision path
+    (a contiguous Wᵀ for the gradient matmul): values and gradients agree with the fp64
+    reference of the same bf16 numbers to bf16 rounding of the logits."""
+    torch.manual_seed(2)
+    steps, n, h, vocab_size = 2, 40, 16, 50
+    hidden = torch.randn(steps, n, h).bfloat16().requires_grad_()
+    shape = (steps, vocab_size, h) if per_step else (vocab_size, h)
+    weight = (0.3 * torch.randn(shape)).bfloat16().requires_grad_()
+    target_hidden, target_weight = torch.randn(n, h).bfloat16(), (0.3 * torch.randn(vocab_size, h)).bfloat16()
+    valid = torch.rand(steps, n) > 0.2
+    weights, step_weights = LossWeights(soft_ce=1.0), [1.0, 0.5]
+    out = fused_vocab_losses(
+        hidden, weight, target_hidden, target_weight, valid, step_weights, weights, chunk_size=16
+    )
+    got = torch.autograd.grad(out.loss, [hidden, weight])
+    hidden64, weight64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    unused = torch.zeros(n, 1, dtype=torch.long), torch.zeros(n, 1, dtype=torch.float64)
+    labels = torch.zeros(n, dtype=torch.long)
+    expected = sum(
+        reference(
+            hidden64[j : j + 1], weight64[j] if per_step else weight64, target_hidden.double(),
+            target_weight.double(), valid[j : j + 1], [step_weights[j]], weights, None, None, *unused, labels,
+        )[0]
+        for j in range(steps)
+    )  # fmt: skip
+    want = torch.autograd.grad(expected, [hidden64, weight64])
+    torch.testing.assert_close(out.loss.double(), expected, rtol=2e-2, atol=1e-2)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.double(), w, rtol=5e-2, atol=2e-3)
