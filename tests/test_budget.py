@@ -142,6 +142,24 @@ def test_validations_are_a_fixed_number_spread_over_the_run_and_fewer_of_them_bu
     )
 
 
+def test_training_is_resized_by_what_the_stages_before_it_saved_or_overran():
+    made = plan()
+    step_s = THROUGHPUT.train_step_s
+    ahead = budget.retime_training(made, THROUGHPUT, 305.0, SHAPE.validations, RULES.min_train_steps)
+    assert ahead.train_steps == made.train_steps + 30  # 305 s / 10 s per step, whole steps
+    assert ahead.eta_s["train"] == pytest.approx(made.eta_s["train"] + 30 * step_s)
+    assert ahead.val_check_interval == budget.validation_interval(ahead.train_steps, SHAPE.validations)
+    assert {k: v for k, v in ahead.eta_s.items() if k != "train"} == {
+        k: v for k, v in made.eta_s.items() if k != "train"
+    }
+    assert (ahead.conversations, ahead.eval_minutes) == (made.conversations, made.eval_minutes)
+    behind = budget.retime_training(made, THROUGHPUT, -95.0, SHAPE.validations, RULES.min_train_steps)
+    assert behind.train_steps == made.train_steps - 10  # an overrun costs whole steps (floor)
+    assert budget.retime_training(made, THROUGHPUT, 9.9, SHAPE.validations, RULES.min_train_steps) is made
+    never_below = budget.retime_training(made, THROUGHPUT, -1e6, SHAPE.validations, RULES.min_train_steps)
+    assert never_below.train_steps == RULES.min_train_steps
+
+
 class _Batch:
     def __init__(self, positions: int) -> None:
         self.attention_mask = torch.ones(1, positions)

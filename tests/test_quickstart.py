@@ -13,8 +13,8 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from specdraft.eval.prompts import MT_BENCH_CATEGORIES
-from specdraft.train.budget import Plan
-from specdraft.train.quickstart import load_or_make_plan, stages
+from specdraft.train.budget import Plan, Throughput
+from specdraft.train.quickstart import load_or_make_plan, plan_path, run_stages, stages
 
 PLAN = Plan(45, 700, 321, 9.0, {"probe": 60.0, "regen": 600.0, "cache train": 100.0,
             "cache heldout": 10.0, "train": 900.0, "export": 10.0, "eval": 540.0}, 81)  # fmt: skip
@@ -65,6 +65,48 @@ def test_the_plan_owns_the_training_length_and_its_validations(tmp_path, key):
     cfg = compose_quickstart(f"paths.log_dir={tmp_path}", stage_overrides("train", f"{key}=800"))
     with pytest.raises(SystemExit, match=rf"overrides.train sets {key}.*pass train_steps=N"):
         load_or_make_plan(cfg)  # refused before probing anything
+
+
+def run_with_instant_stages(cfg, planned_now: bool) -> tuple[Plan, list[list[str]]]:
+    """run_stages over PLAN with every stage finishing at once; returns the plan as run and the
+    commands run."""
+    path = plan_path(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"request": {}, "plan": PLAN.record()}))
+    throughput = Throughput(
+        startup_s=10.0, regen_rows=64, regen_prefill_s=0.1, regen_step_s=0.2, answered_fraction=1.0,
+        prompt_tokens=100.0, conversation_tokens=300.0, source_conversations=3000,
+        cache_tokens_per_s=1000.0, train_step_s=2.0, train_batch_positions=4096,
+        val_positions_per_s=5000.0, probe_s=60.0,
+    )  # fmt: skip
+    commands = []
+
+    def instant(argv, check):
+        commands.append(argv)
+        return subprocess.CompletedProcess(argv, 0)
+
+    timings = {"probe": 60.0}
+    ran, _ = run_stages(cfg, PLAN, throughput, planned_now, timings, 0.0, run=instant)
+    assert set(timings) == set(PLAN.eta_s)  # every stage ran and was timed
+    return ran, commands
+
+
+def test_training_gets_the_time_the_stages_before_it_saved_once(tmp_path):
+    cfg = compose_quickstart(f"paths.log_dir={tmp_path}", f"eval.mt_bench={tmp_path}/missing.jsonl")
+    ran, commands = run_with_instant_stages(cfg, planned_now=True)
+    # regen, cache train and cache heldout took ~0 s of their 710 s of ETA: 2 s per step
+    assert 321 + 354 <= ran.train_steps <= 321 + 355
+    train = next(c for c in commands if c[0].endswith("specdraft-train"))
+    assert f"trainer.max_steps={ran.train_steps}" in train
+    assert f"trainer.val_check_interval={ran.val_check_interval}" in train
+    stored = json.loads(plan_path(cfg).read_text())
+    assert stored["plan"]["train_steps"] == ran.train_steps  # a resumed quickstart trains the same run
+    assert stored["retimed"]["planned_train_steps"] == 321
+    # A resumed quickstart (the plan made earlier: the stages before training may have been
+    # skipped as finished) and steps the user fixed are not resized.
+    assert run_with_instant_stages(cfg, planned_now=False)[0] == PLAN
+    fixed = compose_quickstart(f"paths.log_dir={tmp_path}", "train_steps=321")
+    assert run_with_instant_stages(fixed, planned_now=True)[0] == PLAN
 
 
 def test_the_quickstart_runs_end_to_end_and_resumes_on_the_tiny_target(tmp_path):

@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ from specdraft.train.budget import (
     describe,
     make_plan,
     probe,
+    retime_training,
 )
 
 # What a stored plan was made for: a re-run with any of these changed would need other sizes.
@@ -220,7 +222,7 @@ def main(cfg: DictConfig) -> None:
             flush=True,
         )
     started = time.perf_counter()
-    plan, throughput = load_or_make_plan(cfg)
+    plan, throughput, planned_now = load_or_make_plan(cfg)
     timings: dict[str, float] = {"probe": round(time.perf_counter() - started, 1)}
     eval_what = (
         f"{MT_BENCH_CATEGORIES * cfg.eval.per_category} first turns, {cfg.eval.max_new_tokens} new tokens, "
@@ -229,8 +231,39 @@ def main(cfg: DictConfig) -> None:
     print(describe(plan, throughput, hardware.name, eval_what, cfg.self_distill), flush=True)
     if cfg.plan_only:
         return
+    plan, plan_stages = run_stages(cfg, plan, throughput, planned_now, timings, started)
+    timings["total"] = round(time.perf_counter() - started, 1)
+    out = Path(cfg.dir)
+    timings_path = out / f"timings-{run_name(cfg)}.json"
+    write_json_atomic(timings_path, {**timings, "eta": plan.eta_s, "budget_minutes": plan.budget_minutes})
+    print_summary(plan_stages[-1], timings_path, timings, plan)
+
+
+def run_stages(
+    cfg: DictConfig,
+    plan: Plan,
+    throughput: Throughput,
+    planned_now: bool,
+    timings: dict[str, float],
+    started: float,
+    run: Callable[..., subprocess.CompletedProcess] = subprocess.run,
+) -> tuple[Plan, list[Stage]]:
+    """Run the plan's stages in order (``run``: how a command is run), recording each one's
+    seconds in ``timings``. Returns the plan as run and its stages: when the plan was made in
+    this process and its steps were sized, the training is resized by what the stages before it
+    saved or overran (:func:`retime_training`)."""
     plan_stages = stages(cfg, plan)
     for number, stage in enumerate(plan_stages, start=1):
+        if stage.name == "train" and planned_now and cfg.train_steps is None:
+            # Every stage before training ran in this process: what they saved (or overran)
+            # against their ETAs resizes the training, once; the plan file keeps it for a resume.
+            ahead_s = sum(plan.eta_s[name] - timings[name] for name in timings if name != "probe")
+            plan = retime_training(
+                plan, throughput, ahead_s, cfg.budget.validations, cfg.budget.min_train_steps
+            )
+            record_retimed_plan(cfg, plan, ahead_s)
+            stage = next(s for s in stages(cfg, plan) if s.name == "train")
+            plan_stages[number - 1] = stage
         elapsed = time.perf_counter() - started
         print(
             f"\n=== quickstart [{number}/{len(plan_stages)}] {stage.name}  (elapsed {clock(elapsed)}; "
@@ -240,22 +273,19 @@ def main(cfg: DictConfig) -> None:
         argv = [console_script(stage.command), *stage.overrides]
         print("$ " + " ".join(argv), flush=True)
         stage_started = time.perf_counter()
-        result = subprocess.run(argv, check=False)
+        result = run(argv, check=False)
         timings[stage.name] = round(time.perf_counter() - stage_started, 1)
         if result.returncode != 0:
             raise SystemExit(
                 f"quickstart: stage {stage.name!r} failed (exit {result.returncode}); "
                 "fix the cause and re-run: finished work and the plan are kept"
             )
-    timings["total"] = round(time.perf_counter() - started, 1)
-    out = Path(cfg.dir)
-    timings_path = out / f"timings-{run_name(cfg)}.json"
-    write_json_atomic(timings_path, {**timings, "eta": plan.eta_s, "budget_minutes": plan.budget_minutes})
-    print_summary(plan_stages[-1], timings_path, timings, plan)
+    return plan, plan_stages
 
 
-def load_or_make_plan(cfg: DictConfig) -> tuple[Plan, Throughput]:
-    """The plan stored for this quickstart (a re-run resumes it), else a fresh probe and plan."""
+def load_or_make_plan(cfg: DictConfig) -> tuple[Plan, Throughput, bool]:
+    """The plan stored for this quickstart (a re-run resumes it), else a fresh probe and plan;
+    and whether the plan was made now."""
     for key in PLANNED_TRAIN_KEYS:
         if any(o.split("=", 1)[0].lstrip("+~") == key for o in cfg.overrides.train):
             raise SystemExit(
@@ -263,7 +293,7 @@ def load_or_make_plan(cfg: DictConfig) -> tuple[Plan, Throughput]:
                 "from its ETA, and budget.validations spaced over the run): pass train_steps=N or "
                 "budget.validations=N instead"
             )
-    path = Path(cfg.dir) / f"plan-{run_name(cfg)}.json"
+    path = plan_path(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     request = {key: resolved[key] for key in PLAN_KEYS if key != "regen" or cfg.self_distill}
     request["eval_max_minutes"] = resolved["eval"]["max_minutes"]
@@ -281,7 +311,11 @@ def load_or_make_plan(cfg: DictConfig) -> tuple[Plan, Throughput]:
             )
         plan = stored["plan"]
         print(f"quickstart: resuming the plan in {path} (probed {stored['made']})", flush=True)
-        return Plan(**{k: v for k, v in plan.items() if k != "total_s"}), Throughput(**stored["throughput"])
+        return (
+            Plan(**{k: v for k, v in plan.items() if k != "total_s"}),
+            Throughput(**stored["throughput"]),
+            False,
+        )
 
     print("quickstart: probing this machine (a few seconds of each stage's work)…", flush=True)
     overrides = common_overrides(cfg)
@@ -326,7 +360,28 @@ def load_or_make_plan(cfg: DictConfig) -> tuple[Plan, Throughput]:
         "throughput": throughput.record(),
     }
     write_json_atomic(path, record)
-    return plan, throughput
+    return plan, throughput, True
+
+
+def plan_path(cfg: DictConfig) -> Path:
+    return Path(cfg.dir) / f"plan-{run_name(cfg)}.json"
+
+
+def record_retimed_plan(cfg: DictConfig, plan: Plan, ahead_s: float) -> None:
+    """Store the plan as training was resized (a resumed quickstart trains the same run), with
+    the seconds the stages before it finished ahead of their ETAs."""
+    path = plan_path(cfg)
+    record = json.loads(path.read_text())
+    before = record["plan"]["train_steps"]
+    record["retimed"] = {"ahead_s": round(ahead_s, 1), "planned_train_steps": before}
+    record["plan"] = plan.record()
+    write_json_atomic(path, record)
+    print(
+        f"quickstart: the stages before training finished {clock(abs(ahead_s))} "
+        f"{'ahead of' if ahead_s >= 0 else 'behind'} their ETAs: training {before:,} → "
+        f"{plan.train_steps:,} steps (ETA {clock(plan.eta_s['train'])})",
+        flush=True,
+    )
 
 
 def console_script(name: str) -> str:
