@@ -217,3 +217,20 @@ def test_bf16_inputs_agree_with_the_fp64_reference(per_step):
     for g, w in zip(got, want, strict=True):
         assert g.dtype == torch.bfloat16
         torch.testing.assert_close(g.double(), w, rtol=5e-2, atol=2e-3)
+
+
+def test_the_argmax_is_the_first_maximal_index_among_ties():
+    """Logits rounded to bf16 tie often (~6 % of 8k-row columns): the argmax read off the
+    maximum must be the first maximal row, as torch.argmax gives."""
+    from specdraft.train.fused import _first_argmax
+
+    torch.manual_seed(3)
+    logits = (3 * torch.randn(4096, 64)).bfloat16().float()
+    logits[:, 0] = 1.0  # every row tied: row 0
+    logits[[7, 900, 4000], 1] = 50.0  # three tied at the top: row 7
+    assert ((logits == logits.amax(0)).sum(0) > 1).sum() > 3  # ties besides the planted ones
+    last_first = torch.arange(logits.shape[0], 0, -1, dtype=logits.dtype).unsqueeze(-1)
+    shifted = logits - logits.amax(0, keepdim=True)
+    got = _first_argmax(shifted, torch.empty_like(logits), last_first)
+    assert torch.equal(got, logits.argmax(0))
+    assert got[:2].tolist() == [0, 7]
