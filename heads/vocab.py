@@ -30,15 +30,17 @@ class VocabProjection:
     draft_vocab: Tensor | None = None
     target_to_draft: Tensor | None = None
 
-    def restricted_to(self, vocab: Tensor) -> VocabProjection:
+    def restricted_to(self, vocab: Tensor, rows: Tensor | None = None) -> VocabProjection:
         """The same projection over the target ids ``vocab`` only (a reduced training vocabulary
-        for a head that drafts over the whole target vocabulary)."""
+        for a head that drafts over the whole target vocabulary). ``rows``: ``weight``'s rows of
+        ``vocab`` when the caller keeps them (of a frozen weight), instead of selecting them."""
         if self.draft_vocab is not None:
             raise ValueError("this head already drafts over its own reduced vocabulary")
         vocab = vocab.to(self.weight.device)
         index = torch.full((self.weight.shape[-2],), -1, dtype=torch.long, device=vocab.device)
         index[vocab] = torch.arange(vocab.numel(), device=vocab.device)
-        return VocabProjection(self.inputs, self.weight[..., vocab, :], vocab, index)
+        weight = self.weight[..., vocab, :] if rows is None else rows
+        return VocabProjection(self.inputs, weight, vocab, index)
 
 
 def draft_vocab_from_counts(counts: Tensor, draft_vocab_size: int) -> tuple[Tensor, Tensor]:

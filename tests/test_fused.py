@@ -234,3 +234,26 @@ def test_the_argmax_is_the_first_maximal_index_among_ties():
     got = _first_argmax(shifted, torch.empty_like(logits), last_first)
     assert torch.equal(got, logits.argmax(0))
     assert got[:2].tolist() == [0, 7]
+
+
+def test_frozen_rows_are_kept_while_the_lm_head_is_unchanged_and_refused_for_another_projection():
+    from specdraft.train.fused import FrozenRows
+
+    torch.manual_seed(4)
+    lm_head, vocab = torch.randn(30, 8), torch.tensor([2, 5, 7, 11])
+    rows = FrozenRows(lm_head, vocab, torch.bfloat16)
+    assert torch.equal(rows.rows, lm_head[vocab].bfloat16()) and rows.transposed.is_contiguous()
+    assert rows.prepared_from(lm_head, vocab, torch.bfloat16)
+    assert not rows.prepared_from(lm_head, vocab, torch.float32)
+    assert not rows.prepared_from(lm_head.clone(), vocab, torch.bfloat16)
+    lm_head.add_(1.0)  # changed in place: prepared again
+    assert not rows.prepared_from(lm_head, vocab, torch.bfloat16)
+
+    hidden = torch.randn(1, 6, 8, requires_grad=True)
+    full = FrozenRows(lm_head, None, torch.float32)
+    args = (torch.randn(6, 8), lm_head, torch.ones(1, 6, dtype=torch.bool), [1.0], LossWeights(soft_ce=1.0))
+    kept = fused_vocab_losses(hidden, full.rows, *args, frozen=full)
+    fresh = fused_vocab_losses(hidden, lm_head, *args)
+    torch.testing.assert_close(kept.loss, fresh.loss)
+    with pytest.raises(ValueError, match="frozen rows given for another projection"):
+        fused_vocab_losses(hidden, lm_head.clone(), *args, frozen=full)

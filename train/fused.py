@@ -59,6 +59,7 @@ def fused_vocab_losses(
     labels: Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     target_argmax: Tensor | None = None,
+    frozen: FrozenRows | None = None,
 ) -> FusedOutput:
     """Loss terms over S draft steps at N positions.
 
@@ -76,6 +77,7 @@ def fused_vocab_losses(
                            (−1: none) for ``ce``
     target_argmax   N      the target's argmax when known (its cached top-1): with a reduced
                            vocab the full target logits are then never computed
+    frozen          ``draft_weight`` is these prepared rows of ``target_weight`` (:class:`FrozenRows`)
     """
     if (draft_vocab is None) != (target_to_draft is None):
         raise ValueError("draft_vocab and target_to_draft go together")
@@ -99,6 +101,7 @@ def fused_vocab_losses(
             labels,
             chunk_size,
             target_argmax,
+            frozen,
         )
     )
 
@@ -122,6 +125,7 @@ class _FusedVocabLosses(torch.autograd.Function):
         labels,
         chunk_size,
         target_argmax_given,
+        frozen,
     ):
         steps, n, _ = draft_hidden.shape
         device, compute = draft_hidden.device, draft_hidden.dtype
@@ -129,16 +133,12 @@ class _FusedVocabLosses(torch.autograd.Function):
         for name, inputs in (("topk", (topk_ids, topk_probs)), ("ce", (labels,))):
             if coef[name] > 0 and any(x is None for x in inputs):
                 raise ValueError(f"loss term {name!r} has weight {coef[name]} but no inputs")
-        w_draft = draft_weight.detach().to(compute)
-        per_step_weight = w_draft.dim() == 3
-        # The gradient matmul reads the projection transposed. In bf16 / fp16 oneDNN multiplies a
-        # contiguous copy of Wᵀ ~2.6× faster than the transposed view (0.82 against 2.15 ms for
-        # 576 × 8k @ 8k × 128 on an AMX Xeon) and the copy (4 ms) is made once per call; in fp32
-        # the view is as fast.
-        w_draft_t = w_draft.transpose(-1, -2)
-        if wants_grad and w_draft.element_size() < 4:
-            w_draft_t = w_draft_t.contiguous()
         target_dtype = target_hidden.dtype
+        if frozen is not None and not frozen.serves(draft_weight, compute, target_dtype):
+            raise ValueError("frozen rows given for another projection, or for other dtypes")
+        w_draft = frozen.rows if frozen is not None else draft_weight.detach().to(compute)
+        per_step_weight = w_draft.dim() == 3
+        w_draft_t = frozen.transposed if frozen is not None else _gradient_layout(w_draft, wants_grad)
         reduced = draft_vocab is not None
         # Softmaxes and gradients in fp32 (fp64 when the inputs are fp64, as in the tests).
         acc = torch.float64 if compute == torch.float64 else torch.float32
@@ -159,11 +159,15 @@ class _FusedVocabLosses(torch.autograd.Function):
             keep = target_to_draft[target_argmax] >= 0
             # From here on only the draft vocabulary's rows of the target lm_head are needed:
             # selected before the cast, which then touches V' rows, not V (49k: ~10 ms a call).
-            w_target = target_weight.detach()[draft_vocab].to(target_dtype)
+            if frozen is None:
+                w_target = target_weight.detach()[draft_vocab].to(target_dtype)
         else:
-            w_target = target_weight.detach().to(target_dtype)
+            if frozen is None:
+                w_target = target_weight.detach().to(target_dtype)
             if target_argmax_given is not None:
                 target_argmax = target_argmax_given
+        if frozen is not None:
+            w_target = frozen.rows  # the same rows, in the same dtype
         trained = step_valid & keep  # S×N
         denominators = trained.sum(-1).clamp(min=1).double()
 
@@ -279,7 +283,46 @@ class _FusedVocabLosses(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         hidden = (grad_hidden * grad_loss).to(ctx.hidden_dtype)
         weight = (grad_weight * grad_loss).to(ctx.weight_dtype) if ctx.has_weight_grad else None
-        return hidden, weight, *([None] * 13)
+        return hidden, weight, *([None] * 14)
+
+
+def _gradient_layout(weight: Tensor, wants_grad: bool) -> Tensor:
+    """``weight`` (V×H, or S×V×H) transposed, as the gradient matmul reads it. In bf16 / fp16
+    oneDNN multiplies a contiguous copy of Wᵀ ~2.6× faster than the transposed view (0.82
+    against 2.15 ms for 576 × 8k @ 8k × 128 on an AMX Xeon); in fp32 the view is as fast."""
+    transposed = weight.transpose(-1, -2)
+    return transposed.contiguous() if wants_grad and weight.element_size() < 4 else transposed
+
+
+class FrozenRows:
+    """A frozen draft projection that is the target's lm_head (EAGLE-1/2 heads), over the
+    training vocabulary, in the dtype the losses compute in and transposed for the gradient
+    matmul: the same every step, so a caller prepares it once. Selecting 8k of the 49k rows,
+    casting and transposing them cost ~20 ms a step on an AMX Xeon (~4 %).
+
+    rows        V'×H ``lm_head[vocab]`` (all of it without a vocab): the draft's projection
+                and the target's at once; transposed: their gradient layout."""
+
+    def __init__(self, lm_head: Tensor, vocab: Tensor | None, dtype: torch.dtype) -> None:
+        self.source = (_identity(lm_head), None if vocab is None else _identity(vocab), dtype)
+        rows = lm_head.detach() if vocab is None else lm_head.detach()[vocab.to(lm_head.device)]
+        self.rows = rows.to(dtype)
+        self.transposed = _gradient_layout(self.rows, wants_grad=True)
+
+    def prepared_from(self, lm_head: Tensor, vocab: Tensor | None, dtype: torch.dtype) -> bool:
+        """Whether these rows are ``lm_head``'s as it is now (same storage, no in-place change
+        since), over ``vocab``, in ``dtype``."""
+        return self.source == (_identity(lm_head), None if vocab is None else _identity(vocab), dtype)
+
+    def serves(self, draft_weight: Tensor, compute: torch.dtype, target_dtype: torch.dtype) -> bool:
+        """Whether the losses may read these rows as ``draft_weight`` and as the target's rows:
+        they are ``draft_weight``, in the dtype of both hidden states."""
+        return draft_weight is self.rows and self.rows.dtype == compute == target_dtype
+
+
+def _identity(tensor: Tensor) -> tuple:
+    """What a tensor's values depend on: its storage, its in-place version and its layout."""
+    return (tensor.data_ptr(), tensor._version, tuple(tensor.shape), tensor.dtype, tensor.device)
 
 
 class _VocabBuffers:

@@ -22,7 +22,7 @@ from torch import Tensor
 from specdraft.data.features import FeatureBatch
 from specdraft.heads.interface import DraftHead, shift_left
 from specdraft.heads.vocab import VocabProjection
-from specdraft.train.fused import DEFAULT_CHUNK_SIZE, TERMS, fused_vocab_losses, target_topk
+from specdraft.train.fused import DEFAULT_CHUNK_SIZE, TERMS, FrozenRows, fused_vocab_losses, target_topk
 from specdraft.train.losses import LossWeights, feature_regression
 
 
@@ -101,6 +101,7 @@ class DraftObjective:
         self.eval_steps, self.chunk_size = max(eval_steps, rollout.steps), chunk_size
         self.draft_vocab = draft_vocab
         self.active = [name for name in TERMS if getattr(weights, name) > 0]
+        self._frozen: FrozenRows | None = None  # the target lm_head's rows, kept across steps
 
     def __call__(self, head: DraftHead, batch: FeatureBatch, train: bool = True) -> ObjectiveOutput:
         """The loss and per-step accuracies of ``head`` on ``batch``. An autoregressive head rolls
@@ -152,9 +153,14 @@ class DraftObjective:
     ):
         """The vocabulary-sized terms of ``projection`` against the target at positions (b, q):
         its distribution from ``batch.hidden[b, q]``, its top-K and (cached) argmax there."""
+        frozen = self._frozen_rows(head, projection, batch)
+        if frozen is not None and self.draft_vocab is None:
+            projection = VocabProjection(projection.inputs, frozen.rows)
         if self.draft_vocab is not None:
             try:
-                projection = projection.restricted_to(self.draft_vocab)
+                projection = projection.restricted_to(
+                    self.draft_vocab, None if frozen is None else frozen.rows
+                )
             except ValueError as error:
                 raise ValueError(
                     f"loss.draft_vocab_size: {error} ({type(head).__name__}; set its head config's"
@@ -176,7 +182,21 @@ class DraftObjective:
             labels,
             self.chunk_size,
             cached_argmax,
+            frozen,
         )
+
+    def _frozen_rows(self, head: DraftHead, projection: VocabProjection, batch: FeatureBatch):
+        """The target lm_head's rows over the training vocabulary, prepared once and kept while
+        the lm_head and the dtypes stay the same, when the head drafts through it (EAGLE-1/2) and
+        its outputs and the target's features share a dtype; else None."""
+        weight, dtype = projection.weight, projection.inputs.dtype
+        if weight is not head.target_lm_head or weight.requires_grad or projection.draft_vocab is not None:
+            return None
+        if batch.hidden.dtype != dtype:
+            return None
+        if self._frozen is None or not self._frozen.prepared_from(weight, self.draft_vocab, dtype):
+            self._frozen = FrozenRows(weight, self.draft_vocab, dtype)
+        return self._frozen
 
     def _output(
         self, fused, feature_terms: list[Tensor | None], step_weights: list[float]
