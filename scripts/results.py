@@ -99,6 +99,12 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-fast-amx": (
+        "qs-fast-amx",
+        "make run (fresh clone of a783fe9: install + specdraft-quickstart, budget_minutes=45; today's "
+        "defaults: cheaper fused loss steps, training resized by what the stages before it saved) "
+        "on an AMX-bf16 CPU",
+    ),
     "qs-probe-amx": (
         "qs-probe-amx",
         "make run (fresh clone of 08419f4: install + specdraft-quickstart, budget_minutes=45; today's "
@@ -205,6 +211,18 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-fast-amx": (
+        "2026-11-26, `time make run` in a fresh clone of commit a783fe9, alone on the machine: 37:49 "
+        "wall in all, of which the quickstart 36:52 of its 45-minute budget. The plan: 1,543 "
+        "conversations, 1,818 training steps of 4,096 positions (probed at 7,986 positions/s), a "
+        "9-minute eval box; the stages before training finished 25 s ahead of their ETAs "
+        "(regeneration 38 s behind, the features 63 s ahead), so training was resized to 1,866 "
+        "steps and took 15:51 of its 16:42 ETA. The eval took 4:06 of its 9:06 box. Against "
+        "de39b7d's fresh clone of the day before on this machine class (1,565 conversations, 1,642 "
+        "steps, 6.30M training tokens, held-out simulated τ 2.003, τ 2.36 / 2.15 / 1.96) it "
+        "measures the cheaper steps. Outputs copied from that clone's run `quickstart` under this "
+        "run name."
+    ),
     "qs-probe-amx": (
         "2026-11-25, `time make run` in a fresh clone of commit 08419f4, alone on the machine: 40:07 "
         "wall in all, of which the quickstart 39:02 of its 45-minute budget. The plan: 1,317 "

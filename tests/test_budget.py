@@ -160,6 +160,25 @@ def test_training_is_resized_by_what_the_stages_before_it_saved_or_overran():
     assert never_below.train_steps == RULES.min_train_steps
 
 
+def test_the_eval_box_is_sized_by_the_probed_decoding_of_each_tree():
+    probed = replace(
+        THROUGHPUT, regen_prefill_s=0.1, eval_plain_s=0.05, eval_verify_s=[[12, 0.06], [24, 0.07], [60, 0.09]]
+    )
+    rules = replace(RULES, eval_tau=2.0, eval_draft_per_depth=0.1, eval_safety=1.0)
+    trees = [(6, 60), (5, 24), (3, 12)]
+    # per token: plain 0.05 + Σ (verify + 0.1 · depth · 0.05) / 2 = 0.05 + 0.06 + 0.0475 + 0.0375;
+    # a prefill per turn and method: 4 × 0.1
+    assert budget.eval_seconds(probed, rules, trees, 16, 128) == pytest.approx(16 * (128 * 0.195 + 0.4))
+    assert budget.eval_seconds(probed, replace(rules, eval_safety=1.5), trees, 16, 128) == pytest.approx(
+        1.5 * 16 * (128 * 0.195 + 0.4)
+    )
+    # a node count between the probed ones is read linearly between them
+    assert budget.eval_seconds(probed, rules, [(4, 18)], 1, 1) == pytest.approx(
+        0.05 + (0.065 + 0.02) / 2 + 2 * 0.1
+    )
+    assert budget.eval_seconds(THROUGHPUT, rules, trees, 16, 128) is None  # not probed
+
+
 class _Batch:
     def __init__(self, positions: int) -> None:
         self.attention_mask = torch.ones(1, positions)

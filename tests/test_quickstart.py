@@ -156,6 +156,10 @@ def test_the_quickstart_runs_end_to_end_and_resumes_on_the_tiny_target(tmp_path)
         validated = {int(row["step"]) for row in csv.DictReader(metrics) if row.get("val/sim_tau")}
     assert {1, 3} <= validated  # Lightning logs the validation after step k at step k − 1
     assert plan["throughput"]["train_step_s"] > 0 and plan["throughput"]["regen_step_s"] > 0
+    # the eval's box: what the probed decoding of its trees needs, within [1, 0.2 × 45] minutes
+    assert plan["throughput"]["eval_plain_s"] > 0
+    assert sorted(n for n, _ in plan["throughput"]["eval_verify_s"]) == [12, 24, 60]
+    assert plan["plan"]["eval_minutes"] == 1.0  # the tiny target decodes in no time
     assert set(json.loads((out / "timings-quickstart.json").read_text())) >= {"regen", "train", "total"}
     assert json.loads((out / "head" / "config.json").read_text())["format"] == "specdraft-head"
     assert sorted(p.name for p in (tmp_path / "train/quickstart/checkpoints/curve").iterdir()) == [

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from itertools import pairwise
 from pathlib import Path
@@ -46,6 +47,9 @@ from specdraft.data.hardware import resolve_precision
 from specdraft.data.packed_linear import pack_linear_weights
 from specdraft.data.regen import AutoBatch, GenerationSettings, TargetResponder, resolve_batch_size
 from specdraft.data.target import Target
+from specdraft.eval.autoshape import VerifyLatency, probe_verify_latency
+from specdraft.eval.kernels import use_grouped_query_attention
+from specdraft.eval.runner import TargetRunner
 from specdraft.train.cli import build_objective, build_training_head, features_for_objective
 from specdraft.train.module import DraftHeadModule
 
@@ -57,6 +61,8 @@ PROBE_VAL_BATCHES = 2
 PROBE_WARMUP_TOKENS = 8  # prompt tokens per row of the regeneration probe's warm-up
 PROBE_PREFILL_PROMPTS = 8  # prompts whose prefill the regeneration probe times, one at a time
 PROBE_CACHE_FIXED_SHARE = 0.5  # above this share of the probe's write, its fixed cost is not taken out
+EVAL_PROBE_PAST = 256  # tokens before the eval probe's forwards: a prompt and part of an answer
+EVAL_PROBE_REPEATS = 3  # forwards timed per node count after a warm-up (the median counts)
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,10 @@ class Throughput:
     train_batch_positions: int  # datamodule.max_batch_tokens
     val_positions_per_s: float
     probe_s: float  # what the probe itself took
+    # The eval's target as specdraft-eval runs it (None: not probed): one plain decoding step and
+    # one verification of each probed node count after a fixed past, as [nodes, seconds] pairs.
+    eval_plain_s: float | None = None
+    eval_verify_s: list[list[float]] | None = None
 
     def record(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,11 +120,15 @@ class BudgetRules:
     """How the budget is split (conf/quickstart.yaml ``budget``)."""
 
     margin: float  # planned to (1 - margin) × budget: the stages' own noise
-    eval_share: float  # of the budget: the eval's time box
+    eval_share: float  # of the budget: the eval's time box (at most, when sized from the probe)
     data_share: float  # of what is left for data + training: regeneration + features
     answer_tokens: float  # mean tokens of a regenerated answer (the probe decodes only a few)
     min_conversations: int
     min_train_steps: int
+    eval_tau: float = 1.8  # the τ the eval's time box is sized for (conf/quickstart.yaml)
+    eval_draft_per_depth: float = 0.1  # drafting per tree depth, in plain decoding steps
+    eval_safety: float = 1.2  # the box over the estimate
+    eval_min_minutes: float = 1.0  # the smallest box sized from the probe
 
     def __post_init__(self) -> None:
         if not 0 < self.data_share < 1 or self.margin < 0 or self.eval_share < 0:
@@ -318,6 +332,7 @@ def probe(
     settings: ProbeSettings,
     regen_cfg: DictConfig | None = None,
     answer_tokens: int | None = None,
+    eval_nodes: Sequence[int] = (),
 ) -> Throughput:
     """Time a few seconds of each stage's own work on this machine.
 
@@ -326,7 +341,8 @@ def probe(
     self-distillation: the source's conversations are cached as they are); train_cfg: the
     composed specdraft-train config (its ``datamodule`` caches are replaced by the probe's);
     answer_tokens: the answers' expected length (self-distillation: the source's answers are cut
-    to it)."""
+    to it); eval_nodes: the node counts of the eval's trees, whose verification is timed with a
+    plain decoding step on the target as the eval runs it (none: not timed)."""
     started = time.perf_counter()
     imports_s = _time_imports()
     load_started = time.perf_counter()
@@ -361,6 +377,7 @@ def probe(
     # Last: it packs the target's weights as specdraft-regen does, which the stages above do not.
     regen = _probe_regen(target, regen_cfg, train, settings) if regen_cfg is not None else None
     rows, prefill_s, step_s, answered, prompt_tokens = regen or (0, None, None, 1.0, 0.0)
+    latency = _probe_eval(target, eval_nodes) if eval_nodes else None
     return Throughput(
         startup_s=round(startup_s, 2),
         regen_rows=rows,
@@ -375,7 +392,44 @@ def probe(
         train_batch_positions=batch_positions,
         val_positions_per_s=round(val_positions_per_s, 1),
         probe_s=round(time.perf_counter() - started, 1),
+        eval_plain_s=None if latency is None else round(latency.plain_s, 5),
+        eval_verify_s=None if latency is None else [[n, round(v, 5)] for n, v in latency.verify_s.items()],
     )
+
+
+def _probe_eval(target: Target, node_counts: Sequence[int]) -> VerifyLatency:
+    """A plain decoding step and a verification of each of ``node_counts`` nodes, after a
+    typical past, on the target as specdraft-eval runs it (packed weights, its attention)."""
+    pack_linear_weights(target.model)  # 0 when specdraft-regen's probe packed them already
+    use_grouped_query_attention(target.model)
+    return probe_verify_latency(TargetRunner(target), node_counts, EVAL_PROBE_PAST, EVAL_PROBE_REPEATS)
+
+
+def eval_seconds(
+    throughput: Throughput,
+    rules: BudgetRules,
+    trees: Sequence[tuple[int, int]],
+    questions: int,
+    new_tokens: int,
+) -> float | None:
+    """The eval's time box from the probe: ``questions`` × ``new_tokens`` tokens of plain decoding
+    and of each tree ((depth, nodes) pairs), every tree step a verification plus its drafting
+    (``eval_draft_per_depth`` plain steps per depth) committing ``eval_tau`` tokens, and a prefill
+    per question and method; × ``eval_safety``. None when the eval was not probed.
+
+    Measured on the quickstart's eval (its reports' draft / verify ms): a 60 / 24 / 12-node tree
+    verified in 1.7 / 1.3 / 1.1 plain steps on an AMX Xeon, 3.7 / 2.1 / 1.6 on an AVX2 EPYC, and
+    drafted in 0.07–0.09 plain steps per depth; its heads reached τ 2.0–2.4 (AMX), 1.5–1.8 (AVX2)."""
+    if throughput.eval_plain_s is None or not throughput.eval_verify_s:
+        return None
+    plain_s = throughput.eval_plain_s
+    verify = VerifyLatency(plain_s, {int(n): v for n, v in throughput.eval_verify_s})
+    per_token_s = plain_s + sum(
+        (verify.at(nodes) + rules.eval_draft_per_depth * depth * plain_s) / rules.eval_tau
+        for depth, nodes in trees
+    )
+    prefill_s = (1 + len(trees)) * (throughput.regen_prefill_s or plain_s)
+    return rules.eval_safety * questions * (new_tokens * per_token_s + prefill_s)
 
 
 def first_turn(conversation: Conversation) -> Conversation | None:

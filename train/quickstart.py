@@ -43,6 +43,7 @@ from specdraft.data.cache import StoredFields
 from specdraft.data.errors import user_errors
 from specdraft.data.hardware import start
 from specdraft.train.budget import (
+    SECONDS_PER_MINUTE,
     BudgetError,
     BudgetRules,
     Plan,
@@ -51,6 +52,7 @@ from specdraft.train.budget import (
     TrainShape,
     clock,
     describe,
+    eval_seconds,
     make_plan,
     probe,
     retime_training,
@@ -341,15 +343,24 @@ def load_or_make_plan(cfg: DictConfig) -> tuple[Plan, Throughput, bool]:
     settings = ProbeSettings(**cfg.budget.probe)
     fields = StoredFields(tuple(cache_cfg.target.aux_layer_ids or ()) if cfg.aux_layers else (), cfg.top_k)
     answer_tokens = int(cfg.budget.answer_tokens) if cfg.self_distill else None
+    trees = eval_trees(cfg) if cfg.eval.max_minutes is None else []
     throughput = probe(
-        data_cfg, train_cfg, fields, cache_cfg.batch_tokens, settings, regen_cfg, answer_tokens
-    )
+        data_cfg, train_cfg, fields, cache_cfg.batch_tokens, settings, regen_cfg, answer_tokens,
+        sorted({nodes for _, nodes in trees}),
+    )  # fmt: skip
     rules = BudgetRules(**{k: v for k, v in cfg.budget.items() if k not in ("probe", "validations")})
+    eval_minutes = cfg.eval.max_minutes
+    turns = MT_BENCH_CATEGORIES * cfg.eval.per_category * cfg.eval.max_turns
+    estimate_s = eval_seconds(throughput, rules, trees, turns, cfg.eval.max_new_tokens)
+    if eval_minutes is None and estimate_s is not None:
+        # The box this machine's decoding needs, within [eval_min_minutes, eval_share × budget].
+        needed = max(rules.eval_min_minutes, estimate_s / SECONDS_PER_MINUTE)
+        eval_minutes = round(min(rules.eval_share * cfg.budget_minutes, needed), 2)
     try:
         shape = TrainShape(cfg.heldout_fraction, cfg.budget.validations, train_cfg.trainer.limit_val_batches)
         plan = make_plan(
             cfg.budget_minutes, throughput, rules, shape, cfg.self_distill,
-            cfg.conversations, cfg.train_steps, cfg.eval.max_minutes,
+            cfg.conversations, cfg.train_steps, eval_minutes,
         )  # fmt: skip
     except (BudgetError, ValueError) as error:
         raise SystemExit(f"quickstart: {error}") from None
@@ -382,6 +393,27 @@ def record_retimed_plan(cfg: DictConfig, plan: Plan, ahead_s: float) -> None:
         f"{plan.train_steps:,} steps (ETA {clock(plan.eta_s['train'])})",
         flush=True,
     )
+
+
+def eval_trees(cfg: DictConfig) -> list[tuple[int, int]]:
+    """(depth, nodes) of every draft tree the eval stage decodes with (its methods composed as
+    the stage composes them): what the probe times and the eval's box is sized by."""
+    eval_cfg = compose("eval", ["methods=quickstart", "checkpoint=probe", *cfg.overrides.eval])
+    trees = []
+    for name, method in eval_cfg.methods.items():
+        shape = method.get("shape")
+        if shape is None:
+            continue
+        if shape.kind == "dynamic":
+            trees.append((int(shape.depth), int(shape.total_tokens)))
+        elif shape.kind == "chain":
+            trees.append((int(shape.depth), int(shape.depth) + 1))
+        else:
+            raise SystemExit(
+                f"quickstart: eval method {name!r} drafts a {shape.kind!r} shape, which the eval's "
+                "time box cannot be sized for: set eval.max_minutes"
+            )
+    return trees
 
 
 def console_script(name: str) -> str:
