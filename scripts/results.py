@@ -99,6 +99,11 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-evalbox-amx": (
+        "qs-evalbox-amx",
+        "make run (fresh clone of 9670f69: install + specdraft-quickstart, budget_minutes=45; today's "
+        "defaults: the eval's time box sized by the probe) on an AMX-bf16 CPU",
+    ),
     "qs-fast-amx": (
         "qs-fast-amx",
         "make run (fresh clone of a783fe9: install + specdraft-quickstart, budget_minutes=45; today's "
@@ -211,6 +216,18 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-evalbox-amx": (
+        "2026-11-26, `time make run` in a fresh clone of commit 9670f69, alone on the machine: 48:08 "
+        "wall in all, of which the quickstart 47:15 of its 45-minute budget (+5 %). The plan: 1,667 "
+        "conversations, 2,650 training steps (probed at 10,751 positions/s), a 6.6-minute eval box "
+        "(the probe: a plain step 38.8 ms, verifying 12 / 24 / 60 nodes 45.4 / 50.8 / 67.5 ms); the "
+        "stages before training finished 3:12 ahead of their ETAs, so training was resized to 3,154 "
+        "steps (ETA 20:51) and took 25:57, 1.24× its ETA (the probe's steps ran faster than the "
+        "real ones, ~8,000 positions/s), just inside its 1.25× guard; the eval took 6:00 of its "
+        "6:44 (plain decoding ran at 20.7 tokens/s here against 30.8 in qs-fast-amx: the machine "
+        "was slower during this eval). Outputs copied from that clone's run `quickstart` under this "
+        "run name."
+    ),
     "qs-fast-amx": (
         "2026-11-26, `time make run` in a fresh clone of commit a783fe9, alone on the machine: 37:49 "
         "wall in all, of which the quickstart 36:52 of its 45-minute budget. The plan: 1,543 "

@@ -6,12 +6,13 @@ two hours on another. Instead:
 
 1. :func:`probe` runs each stage's own code for a few seconds, on the stage's own config — the
    target answering a batch of real prompts, its features over a few thousand tokens, a few
-   optimizer steps and a validation batch of the experiment's head — and records seconds per
-   unit of work (:class:`Throughput`);
-2. :func:`make_plan` splits the budget: an eval time box (``eval_share``), the start-up of
-   every stage, then data (regeneration + features) and training by ``data_share``, and turns
-   seconds into conversations and optimizer steps with the probed rates.
-
+   optimizer steps, a validation batch of the experiment's head, and the eval's target decoding
+   one token and verifying each of its trees — and records seconds per unit of work
+   (:class:`Throughput`);
+2. :func:`make_plan` splits the budget: an eval time box (what :func:`eval_seconds` says this
+   machine's decoding needs, at most ``eval_share``), the start-up of every stage, then data
+   (regeneration + features) and training by ``data_share``, and turns seconds into
+   conversations and optimizer steps with the probed rates;
 3. :func:`retime_training`: when training starts, what the stages before it saved (or overran)
    against their ETAs is given to (or taken from) its steps, once.
 
