@@ -31,8 +31,9 @@ THROUGHPUT = Throughput(
     probe_s=70.0,
 )
 RULES = BudgetRules(
-    margin=0.05, eval_share=0.2, data_share=0.5, answer_tokens=190, min_conversations=64, min_train_steps=50
-)
+    margin=0.05, eval_share=0.2, data_share=0.5, answer_tokens=190, min_conversations=64, min_train_steps=50,
+    eval_tau=1.8, eval_draft_per_depth=0.1, eval_safety=1.2, eval_min_minutes=1.0,
+)  # fmt: skip
 SHAPE = TrainShape(heldout_fraction=0.05, validations=4, limit_val_batches=8)
 
 

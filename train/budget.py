@@ -126,10 +126,10 @@ class BudgetRules:
     answer_tokens: float  # mean tokens of a regenerated answer (the probe decodes only a few)
     min_conversations: int
     min_train_steps: int
-    eval_tau: float = 1.8  # the τ the eval's time box is sized for (conf/quickstart.yaml)
-    eval_draft_per_depth: float = 0.1  # drafting per tree depth, in plain decoding steps
-    eval_safety: float = 1.2  # the box over the estimate
-    eval_min_minutes: float = 1.0  # the smallest box sized from the probe
+    eval_tau: float  # the τ the eval's time box is sized for
+    eval_draft_per_depth: float  # drafting per tree depth, in plain decoding steps
+    eval_safety: float  # the box over the estimate
+    eval_min_minutes: float  # the smallest box sized from the probe
 
     def __post_init__(self) -> None:
         if not 0 < self.data_share < 1 or self.margin < 0 or self.eval_share < 0:
