@@ -61,6 +61,10 @@ def test_the_plan_fills_the_budget_less_its_margin_and_splits_it_as_configured()
     assert made.conversations == int(
         0.5 * (0.95 * budget_s - fixed_s) / (0.8 * (0.1 + 190 * 0.4 / 32) + 0.232)
     )
+    # training's deadline: its stage less the start-up and the final validation over the held-out split
+    assert made.train_fit_s == pytest.approx(
+        made.eta_s["train"] - THROUGHPUT.startup_s - heldout_validation_s(made), abs=0.1
+    )
 
 
 def test_faster_regeneration_buys_conversations_and_a_bigger_budget_buys_both():
@@ -149,6 +153,7 @@ def test_training_is_resized_by_what_the_stages_before_it_saved_or_overran():
     ahead = budget.retime_training(made, THROUGHPUT, 305.0, SHAPE.validations, RULES.min_train_steps)
     assert ahead.train_steps == made.train_steps + 30  # 305 s / 10 s per step, whole steps
     assert ahead.eta_s["train"] == pytest.approx(made.eta_s["train"] + 30 * step_s)
+    assert ahead.train_fit_s == pytest.approx(made.train_fit_s + 30 * step_s)  # its deadline too
     assert ahead.val_check_interval == budget.validation_interval(ahead.train_steps, SHAPE.validations)
     assert {k: v for k, v in ahead.eta_s.items() if k != "train"} == {
         k: v for k, v in made.eta_s.items() if k != "train"

@@ -17,7 +17,7 @@ from specdraft.train.budget import Plan, Throughput
 from specdraft.train.quickstart import load_or_make_plan, plan_path, run_stages, stages
 
 PLAN = Plan(45, 700, 321, 9.0, {"probe": 60.0, "regen": 600.0, "cache train": 100.0,
-            "cache heldout": 10.0, "train": 900.0, "export": 10.0, "eval": 540.0}, 81)  # fmt: skip
+            "cache heldout": 10.0, "train": 900.0, "export": 10.0, "eval": 540.0}, 81, 870.0)  # fmt: skip
 
 
 def compose_quickstart(*overrides: str):
@@ -51,6 +51,9 @@ def test_each_stage_reads_what_the_previous_one_wrote(tmp_path):
     assert value(by_name["train"], "trainer.max_steps") == "321"
     assert value(by_name["train"], "trainer.max_time") == "00:00:18:45"  # 1.25 × the ETA: a guard
     assert value(by_name["train"], "trainer.val_check_interval") == "81"
+    assert value(by_name["train"], "callbacks.deadline") == (
+        "{_target_:specdraft.train.callbacks.TrainingDeadline,minutes:14.500}"  # 870 s: steps + validations
+    )
     assert value(by_name["eval"], "max_minutes") == "9.00"
 
     original = stages(compose_quickstart(f"paths.log_dir={tmp_path}", "self_distill=false"), PLAN)
@@ -60,7 +63,7 @@ def test_each_stage_reads_what_the_previous_one_wrote(tmp_path):
     assert value(original[0], "out_dir") != value(by_name["cache train"], "out_dir")
 
 
-@pytest.mark.parametrize("key", ["trainer.max_steps", "trainer.val_check_interval"])
+@pytest.mark.parametrize("key", ["trainer.max_steps", "trainer.val_check_interval", "callbacks.deadline"])
 def test_the_plan_owns_the_training_length_and_its_validations(tmp_path, key):
     cfg = compose_quickstart(f"paths.log_dir={tmp_path}", stage_overrides("train", f"{key}=800"))
     with pytest.raises(SystemExit, match=rf"overrides.train sets {key}.*pass train_steps=N"):
@@ -106,7 +109,14 @@ def test_training_gets_the_time_the_stages_before_it_saved_once(tmp_path):
     # skipped as finished) and steps the user fixed are not resized.
     assert run_with_instant_stages(cfg, planned_now=False)[0] == PLAN
     fixed = compose_quickstart(f"paths.log_dir={tmp_path}", "train_steps=321")
-    assert run_with_instant_stages(fixed, planned_now=True)[0] == PLAN
+    fixed_plan, fixed_commands = run_with_instant_stages(fixed, planned_now=True)
+    assert fixed_plan == PLAN
+    # Sized steps end at their deadline (the plan's, resized with them); fixed ones run as given.
+    deadline = f"_target_:specdraft.train.callbacks.TrainingDeadline,minutes:{ran.train_fit_s / 60:.3f}"
+    assert f"callbacks.deadline={{{deadline}}}" in train
+    assert ran.train_fit_s == pytest.approx(870.0 + 2.0 * (ran.train_steps - 321))
+    fixed_train = next(c for c in fixed_commands if c[0].endswith("specdraft-train"))
+    assert not any(o.startswith("callbacks.deadline") for o in fixed_train)
 
 
 def test_the_quickstart_runs_end_to_end_and_resumes_on_the_tiny_target(tmp_path):

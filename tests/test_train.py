@@ -21,6 +21,7 @@ from specdraft.data.hardware import resolve_precision
 from specdraft.data.target import target_weights
 from specdraft.heads import EagleHead
 from specdraft.heads.formats import read_checkpoint
+from specdraft.train.callbacks import TrainingDeadline
 from specdraft.train.cli import prefer_final_weights, train
 from specdraft.train.losses import LossWeights
 from specdraft.train.module import DraftHeadModule
@@ -142,6 +143,75 @@ def test_a_finished_run_run_again_changes_nothing(tmp_path):
         ]
         == 3
     )
+
+
+class PacedDeadline(TrainingDeadline):
+    """The deadline on a clock of its own: every optimizer step takes ``step_s`` seconds (each
+    process starts its clock at 0, as perf_counter's origin differs between processes)."""
+
+    def __init__(self, minutes: float, every_n_steps: int, step_s: float) -> None:
+        super().__init__(minutes, every_n_steps)
+        self.step_s, self.clock = step_s, 0.0
+
+    def now(self) -> float:
+        return self.clock
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.clock += self.step_s
+        super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
+
+
+class StopAt(L.Callback):
+    """Ends a run's fit at ``step`` as a kill would (its last checkpoint is that step's)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+def deadline(minutes: float, step_s: float, every: int = 2) -> str:
+    paced = f"_target_:test_train.PacedDeadline,minutes:{minutes},every_n_steps:{every},step_s:{step_s}"
+    return f"callbacks.deadline={{{paced}}}"
+
+
+@pytest.mark.parametrize(
+    ("planned", "step_s", "expected"),
+    [(4, 1.5, 10), (20, 3.0, 5)],  # a machine faster than planned, then a slower one
+    ids=["faster", "slower"],
+)
+def test_a_deadline_resizes_the_steps_and_the_lr_decay_to_end_on_time(tmp_path, planned, step_s, expected):
+    """15 s of training at ``step_s`` per step, checked every 2 steps: the steps the time holds,
+    whatever max_steps planned, with the cosine decay ending there (the last lr is the floor)."""
+    cfg = compose_train(
+        tmp_path, "experiment=eagle", "debug=smoke", f"trainer.max_steps={planned}", deadline(0.25, step_s),
+        "scheduler.min_lr_ratio=0.1", "callbacks.last_checkpoint.every_n_train_steps=1",
+    )  # fmt: skip
+    summary = train(cfg)
+    assert summary["global_step"] == expected
+    assert summary["deadline"] == {"minutes": 0.25, "spent_s": expected * step_s, "max_steps": expected}
+    last = checkpoint(tmp_path / "checkpoints" / "last.ckpt")
+    (scheduler,) = last["lr_schedulers"]
+    assert "_total_steps" not in scheduler  # the end comes from the config or the deadline
+    torch.testing.assert_close(scheduler["_last_lr"][0], 0.1 * cfg.optim.lr)
+    # Finished at its deadline's steps (fewer than max_steps when slower): re-running changes nothing.
+    with mock.patch.object(L.Trainer, "fit", side_effect=AssertionError("fitted again")):
+        assert train(cfg) == summary
+
+
+def test_a_resumed_run_keeps_the_time_its_deadline_spent(tmp_path):
+    """Killed at step 6 of a 15 s deadline at 1.5 s a step, the re-run has 6 s left: it ends at
+    step 10 as one run would (forgetting the 9 s spent, it would run to step 16)."""
+    common = ["experiment=eagle", "debug=smoke", "trainer.max_steps=4", deadline(0.25, 1.5),
+              "callbacks.last_checkpoint.every_n_train_steps=1"]  # fmt: skip
+    stopped = compose_train(tmp_path, *common, "+callbacks.stop={_target_:test_train.StopAt,step:6}")
+    assert train(stopped)["global_step"] == 6
+    (tmp_path / "summary.json").unlink()  # as a kill leaves it: no summary yet
+    summary = train(compose_train(tmp_path, *common))
+    assert summary["resumed_from"].endswith("last.ckpt")
+    assert summary["global_step"] == 10 and summary["deadline"]["spent_s"] == 15.0
 
 
 def test_a_changed_config_never_continues_an_old_run(tmp_path):

@@ -158,7 +158,9 @@ class TrainShape:
 @dataclass(frozen=True)
 class Plan:
     """The sizes of the stages and the expected seconds of each (``eta_s``, by stage name);
-    ``val_check_interval``: training steps between two validations."""
+    ``val_check_interval``: training steps between two validations; ``train_fit_s``: the seconds
+    of training's steps and periodic validations (its stage without start-up and the final
+    validation), its deadline (None in plans written before it)."""
 
     budget_minutes: float
     conversations: int
@@ -166,6 +168,7 @@ class Plan:
     eval_minutes: float
     eta_s: dict[str, float]
     val_check_interval: int
+    train_fit_s: float | None = None
 
     @property
     def total_s(self) -> float:
@@ -257,13 +260,19 @@ def make_plan(
         eta["regen"] = t.startup_s + conversations * regen_s
     eta["cache train"] = t.startup_s + (conversations - heldout) * tokens / t.cache_tokens_per_s
     eta["cache heldout"] = t.startup_s + heldout * tokens / t.cache_tokens_per_s
-    validated = train_steps // val_check_interval * validation_s
-    eta["train"] = t.startup_s + train_steps * t.train_step_s + validated + final_val_s
+    fit_s = train_steps * t.train_step_s + train_steps // val_check_interval * validation_s
+    eta["train"] = t.startup_s + fit_s + final_val_s
     eta["export"] = t.startup_s
     eta["eval"] = t.startup_s + eval_s
     eta = {"probe": t.probe_s, **{name: round(seconds, 1) for name, seconds in eta.items()}}
     return Plan(
-        budget_minutes, conversations, train_steps, eval_s / SECONDS_PER_MINUTE, eta, val_check_interval
+        budget_minutes,
+        conversations,
+        train_steps,
+        eval_s / SECONDS_PER_MINUTE,
+        eta,
+        val_check_interval,
+        round(fit_s, 1),
     )
 
 
@@ -277,10 +286,16 @@ def retime_training(
     steps = max(min_train_steps, plan.train_steps + math.floor(ahead_s / throughput.train_step_s))
     if steps == plan.train_steps:
         return plan
+    added_s = (steps - plan.train_steps) * throughput.train_step_s
     eta = dict(plan.eta_s)
-    eta["train"] = round(eta["train"] + (steps - plan.train_steps) * throughput.train_step_s, 1)
+    eta["train"] = round(eta["train"] + added_s, 1)
+    fit_s = None if plan.train_fit_s is None else round(plan.train_fit_s + added_s, 1)
     return replace(
-        plan, train_steps=steps, eta_s=eta, val_check_interval=validation_interval(steps, validations)
+        plan,
+        train_steps=steps,
+        eta_s=eta,
+        val_check_interval=validation_interval(steps, validations),
+        train_fit_s=fit_s,
     )
 
 

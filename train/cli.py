@@ -40,7 +40,7 @@ from specdraft.heads.formats import read_head
 from specdraft.heads.interface import DraftHead
 from specdraft.heads.registry import build_head, config_record
 from specdraft.heads.vocab import draft_vocab_from_counts
-from specdraft.train.callbacks import ThroughputMonitor, peak_memory_bytes
+from specdraft.train.callbacks import ThroughputMonitor, TrainingDeadline, peak_memory_bytes
 from specdraft.train.fused import DEFAULT_CHUNK_SIZE
 from specdraft.train.loggers import finish_loggers
 from specdraft.train.losses import LossWeights
@@ -122,12 +122,18 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 
 def finished_summary(run_dir: Path, max_steps: int | None) -> dict[str, Any] | None:
-    """The summary of a run that reached ``max_steps`` (written when a run ends), or None: a run
-    limited by time alone, or not finished, goes on."""
+    """The summary of a run that reached ``max_steps``, or the steps its deadline sized it to
+    (callbacks.deadline), written when a run ends; or None: a run limited by ``max_time`` alone,
+    or not finished, goes on."""
     path = run_dir / "summary.json"
-    if max_steps is None or max_steps < 0 or not path.is_file():
+    if not path.is_file():
         return None
     summary = json.loads(path.read_text())
+    sized = (summary.get("deadline") or {}).get("max_steps")
+    if sized is not None and summary.get("global_step", 0) >= sized:
+        return summary
+    if max_steps is None or max_steps < 0:
+        return None
     return summary if summary.get("global_step", 0) >= max_steps else None
 
 
@@ -259,8 +265,9 @@ def prefer_final_weights(summary: dict[str, Any], run_dir: Path, save: Callable[
 def run_summary(trainer: L.Trainer, module: DraftHeadModule, seconds: float, resumed: str | None) -> dict:
     best = next((c for c in trainer.checkpoint_callbacks if c.monitor == SIM_TAU), None)
     throughput = next((c for c in trainer.callbacks if isinstance(c, ThroughputMonitor)), None)
+    deadline = next((c for c in trainer.callbacks if isinstance(c, TrainingDeadline)), None)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-    return {
+    summary = {
         "kind": module.head_record.get("kind"),
         "global_step": trainer.global_step,
         "resumed_from": resumed,
@@ -274,6 +281,9 @@ def run_summary(trainer: L.Trainer, module: DraftHeadModule, seconds: float, res
         "trainable_parameters": count(module.head),
         "precision": str(trainer.precision),
     }
+    if deadline is not None:
+        summary["deadline"] = deadline.record()
+    return summary
 
 
 if __name__ == "__main__":

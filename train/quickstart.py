@@ -14,7 +14,8 @@ resumes on its own: re-running the quickstart skips finished work):
 1. ``specdraft-regen``  — the target's own greedy answers to the first user turn of the planned
    number of ShareGPT prompts (self-distillation; skipped with ``self_distill=false``);
 2. ``specdraft-cache``  — target features (+ top-k) of those conversations, train and held-out;
-3. ``specdraft-train experiment=quickstart`` — the head, on the cached features, the planned steps;
+3. ``specdraft-train experiment=quickstart`` — the head, on the cached features, the planned steps
+   (sized ones end at the plan's deadline: resized as training measures its own pace);
 4. ``specdraft-export format=native`` — the head as ``<dir>/head``;
 5. ``specdraft-eval``   — τ, acceptance per depth and speedup on MT-bench questions, time-boxed.
 
@@ -64,7 +65,10 @@ PLAN_KEYS = ("budget_minutes", "conversations", "train_steps", "self_distill", "
 
 
 # overrides.train may not set them
-PLANNED_TRAIN_KEYS = ("trainer.max_steps", "trainer.max_time", "trainer.val_check_interval")
+PLANNED_TRAIN_KEYS = (
+    "trainer.max_steps", "trainer.max_time", "trainer.val_check_interval", "callbacks.deadline"
+)  # fmt: skip
+DEADLINE_TARGET = "specdraft.train.callbacks.TrainingDeadline"
 TRAIN_TIME_GUARD = 1.25  # training's max_time, × its ETA
 # MT-bench's categories: the fallback prompts (without Spec-Bench) take as many questions as
 # per_category × this, so the eval's size does not depend on which prompts are at hand.
@@ -121,9 +125,14 @@ def stages(cfg: DictConfig, plan: Plan) -> list[Stage]:
             )
         )
     run = run_name(cfg)
-    # A guard, not the plan: if this machine runs slower than probed, training stops (with a
-    # checkpoint) rather than overrunning the budget.
+    # Sized steps end at the plan's deadline: the run resizes them (and the lr decay) by the pace
+    # it measures, which drifts from the probe's. Beyond that a guard: should a step hang or the
+    # machine slow down at the very end, training stops (with a checkpoint) near its ETA.
     max_time = TRAIN_TIME_GUARD * plan.eta_s["train"]
+    deadline = []
+    if cfg.train_steps is None and plan.train_fit_s is not None:
+        minutes = plan.train_fit_s / SECONDS_PER_MINUTE
+        deadline = [f"callbacks.deadline={{_target_:{DEADLINE_TARGET},minutes:{minutes:.3f}}}"]
     plan_stages.append(
         Stage(
             "train",
@@ -136,6 +145,7 @@ def stages(cfg: DictConfig, plan: Plan) -> list[Stage]:
                 f"trainer.max_steps={plan.train_steps}",
                 f"trainer.max_time={lightning_duration(max_time)}",
                 f"trainer.val_check_interval={plan.val_check_interval}",
+                *deadline,
                 *common,
                 *cfg.overrides.train,
             ],
