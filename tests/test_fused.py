@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specdraft.heads.vocab import draft_vocab_from_counts, target_to_draft_index
+from specdraft.train import fused
 from specdraft.train.fused import TERMS, fused_vocab_losses
 from specdraft.train.losses import LossWeights, step_loss
 
@@ -185,11 +186,15 @@ def test_per_step_projections_and_no_grad():
         fused_vocab_losses(hidden, torch.randn(3, vocab_size, h, dtype=dtype), *arguments[2:])
 
 
+@pytest.mark.parametrize("gathered", [1024, 24], ids=["one-gathering", "flushed-every-chunk"])
 @pytest.mark.parametrize("per_step", [False, True])
-def test_bf16_inputs_agree_with_the_fp64_reference(per_step):
+def test_bf16_inputs_agree_with_the_fp64_reference(per_step, gathered, monkeypatch):
     """bf16 hidden states and projections (bf16-mixed training) take the reduced-precision path
-    (a contiguous Wᵀ for the gradient matmul): values and gradients agree with the fp64
-    reference of the same bf16 numbers to bf16 rounding of the logits."""
+    (a contiguous Wᵀ for the gradient matmul, the weight gradient gathered over chunks and steps
+    before its matmul, here all at once or a flush before nearly every 16-position chunk):
+    values and gradients agree with the fp64 reference of the same bf16 numbers to bf16
+    rounding of the logits."""
+    monkeypatch.setattr(fused, "WEIGHT_GRAD_POSITIONS", gathered)
     torch.manual_seed(2)
     steps, n, h, vocab_size = 2, 40, 16, 50
     hidden = torch.randn(steps, n, h).bfloat16().requires_grad_()

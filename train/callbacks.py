@@ -134,6 +134,7 @@ class TrainingDeadline(L.Callback):
         elapsed = self.now() - self._started
         left = self.seconds - self.spent_before - elapsed
         more = max(1, math.floor(left * done / elapsed)) if left > 0 else 0
+        more = trainer.strategy.broadcast(more)  # every rank stops at rank 0's step (DDP)
         self._resize(trainer, trainer.global_step + more)
 
     def _resize(self, trainer: L.Trainer, steps: int) -> None:
