@@ -99,6 +99,12 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-deadline-amx": (
+        "qs-deadline-amx",
+        "make run (fresh clone of 698ee4f: install + specdraft-quickstart, budget_minutes=45; today's "
+        "defaults: training ends at its planned time, its steps resized by the pace it measures) on "
+        "an AMX-bf16 CPU",
+    ),
     "qs-evalbox-amx": (
         "qs-evalbox-amx",
         "make run (fresh clone of 9670f69: install + specdraft-quickstart, budget_minutes=45; today's "
@@ -216,6 +222,19 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-deadline-amx": (
+        "2026-11-26, `time make run` in a fresh clone of commit 698ee4f: 42:57 wall in all, of which "
+        "the quickstart 41:58 of its 45-minute budget. The plan: 1,542 conversations, 2,236 training "
+        "steps probed at 0.449 s (9,125 positions/s), a 6.7-minute eval box; regeneration overran "
+        "its ETA by 1:19 and the features saved 1:25, so training was resized to 2,249 steps with "
+        "a deadline of 17:21 for its steps and validations. It trained at ~0.56 s a step (the "
+        "machine's own pace: a niced pytest run of 3 minutes shared the CPU during the features "
+        "stage, not during training), so its deadline resized it to 1,850 steps: 17:24 spent of "
+        "the 17:21, the stage 17:42 against an ETA of 17:32. Regeneration ran at 346 tokens/s "
+        "where the probe read 404, and plain decoding in the eval at 21.5 tokens/s (30.8 in "
+        "qs-fast-amx). Otherwise alone on the machine. Outputs copied from that clone's run "
+        "`quickstart` under this run name."
+    ),
     "qs-evalbox-amx": (
         "2026-11-26, `time make run` in a fresh clone of commit 9670f69, alone on the machine: 48:08 "
         "wall in all, of which the quickstart 47:15 of its 45-minute budget (+5 %). The plan: 1,667 "
