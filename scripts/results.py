@@ -99,6 +99,11 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-deadline2-amx": (
+        "qs-deadline2-amx",
+        "make run (fresh clone of b713b1a: install + specdraft-quickstart, budget_minutes=45; the "
+        "defaults of qs-deadline-amx, a second run) on an AMX-bf16 CPU",
+    ),
     "qs-deadline-amx": (
         "qs-deadline-amx",
         "make run (fresh clone of 698ee4f: install + specdraft-quickstart, budget_minutes=45; today's "
@@ -222,6 +227,17 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-deadline2-amx": (
+        "2026-11-26, `time make run` in a fresh clone of commit b713b1a, alone on the machine (after "
+        "this session's CI run on it): 43:10 wall in all, of which the quickstart 41:57 of its "
+        "45-minute budget. The plan: 1,424 conversations, 2,158 training steps probed at 0.456 s "
+        "(8,980 positions/s), a 7.1-minute eval box; the stages before training finished 2:39 "
+        "ahead of their ETAs, so training was resized to 2,505 steps with a deadline of 19:38 for "
+        "its steps and validations. It trained at ~0.59 s a step, so its deadline resized it to "
+        "2,004 steps: 19:43 spent of the 19:38, the stage 20:00 against an ETA of 19:50. "
+        "Regeneration ran at 385 tokens/s (the probe: 394), plain decoding in the eval at 20.1 "
+        "tokens/s. Outputs copied from that clone's run `quickstart` under this run name."
+    ),
     "qs-deadline-amx": (
         "2026-11-26, `time make run` in a fresh clone of commit 698ee4f: 42:57 wall in all, of which "
         "the quickstart 41:58 of its 45-minute budget. The plan: 1,542 conversations, 2,236 training "
