@@ -32,10 +32,6 @@ class WarmupCosine(torch.optim.lr_scheduler.LambdaLR):
 
         super().__init__(optimizer, factor)
 
-    @property
-    def total_steps(self) -> int:
-        return self._total_steps
-
     def factor(self, step: int) -> float:
         """The lr at optimiser step ``step`` over the optimiser's base lr."""
         if step < self.warmup_steps:
