@@ -58,6 +58,7 @@ from specdraft.train.budget import (
     probe,
     retime_training,
 )
+from specdraft.train.callbacks import TrainingDeadline
 
 # What a stored plan was made for: a re-run with any of these changed would need other sizes.
 PLAN_KEYS = ("budget_minutes", "conversations", "train_steps", "self_distill", "experiment", "budget",
@@ -68,7 +69,6 @@ PLAN_KEYS = ("budget_minutes", "conversations", "train_steps", "self_distill", "
 PLANNED_TRAIN_KEYS = (
     "trainer.max_steps", "trainer.max_time", "trainer.val_check_interval", "callbacks.deadline"
 )  # fmt: skip
-DEADLINE_TARGET = "specdraft.train.callbacks.TrainingDeadline"
 TRAIN_TIME_GUARD = 1.25  # training's max_time, × its ETA
 # MT-bench's categories: the fallback prompts (without Spec-Bench) take as many questions as
 # per_category × this, so the eval's size does not depend on which prompts are at hand.
@@ -132,7 +132,8 @@ def stages(cfg: DictConfig, plan: Plan) -> list[Stage]:
     deadline = []
     if cfg.train_steps is None and plan.train_fit_s is not None:
         minutes = plan.train_fit_s / SECONDS_PER_MINUTE
-        deadline = [f"callbacks.deadline={{_target_:{DEADLINE_TARGET},minutes:{minutes:.3f}}}"]
+        target = f"{TrainingDeadline.__module__}.{TrainingDeadline.__qualname__}"
+        deadline = [f"callbacks.deadline={{_target_:{target},minutes:{minutes:.3f}}}"]
     plan_stages.append(
         Stage(
             "train",
