@@ -186,30 +186,37 @@ def test_per_step_projections_and_no_grad():
         fused_vocab_losses(hidden, torch.randn(3, vocab_size, h, dtype=dtype), *arguments[2:])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("gathered", [1024, 24], ids=["one-gathering", "flushed-every-chunk"])
 @pytest.mark.parametrize("per_step", [False, True])
-def test_bf16_inputs_agree_with_the_fp64_reference(per_step, gathered, monkeypatch):
+def test_bf16_inputs_agree_with_the_fp64_reference(per_step, gathered, device, monkeypatch):
     """bf16 hidden states and projections (bf16-mixed training) take the reduced-precision path
     (a contiguous Wᵀ for the gradient matmul, the weight gradient gathered over chunks and steps
     before its matmul, here all at once or a flush before nearly every 16-position chunk):
     values and gradients agree with the fp64 reference of the same bf16 numbers to bf16
-    rounding of the logits."""
+    rounding of the logits, with oneDNN's matmuls on a CPU and cuBLAS's on a GPU."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
     monkeypatch.setattr(fused, "WEIGHT_GRAD_POSITIONS", gathered)
     torch.manual_seed(2)
     steps, n, h, vocab_size = 2, 40, 16, 50
-    hidden = torch.randn(steps, n, h).bfloat16().requires_grad_()
+    hidden = torch.randn(steps, n, h).bfloat16().to(device).requires_grad_()
     shape = (steps, vocab_size, h) if per_step else (vocab_size, h)
-    weight = (0.3 * torch.randn(shape)).bfloat16().requires_grad_()
-    target_hidden, target_weight = torch.randn(n, h).bfloat16(), (0.3 * torch.randn(vocab_size, h)).bfloat16()
-    valid = torch.rand(steps, n) > 0.2
+    weight = (0.3 * torch.randn(shape)).bfloat16().to(device).requires_grad_()
+    target_hidden = torch.randn(n, h).bfloat16().to(device)
+    target_weight = (0.3 * torch.randn(vocab_size, h)).bfloat16().to(device)
+    valid = torch.rand(steps, n).to(device) > 0.2
     weights, step_weights = LossWeights(soft_ce=1.0), [1.0, 0.5]
     out = fused_vocab_losses(
         hidden, weight, target_hidden, target_weight, valid, step_weights, weights, chunk_size=16
     )
     got = torch.autograd.grad(out.loss, [hidden, weight])
     hidden64, weight64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
-    unused = torch.zeros(n, 1, dtype=torch.long), torch.zeros(n, 1, dtype=torch.float64)
-    labels = torch.zeros(n, dtype=torch.long)
+    unused = (
+        torch.zeros(n, 1, dtype=torch.long, device=device),
+        torch.zeros(n, 1, dtype=torch.float64, device=device),
+    )
+    labels = torch.zeros(n, dtype=torch.long, device=device)
     expected = sum(
         reference(
             hidden64[j : j + 1], weight64[j] if per_step else weight64, target_hidden.double(),

@@ -146,18 +146,19 @@ def test_a_finished_run_run_again_changes_nothing(tmp_path):
 
 
 class PacedDeadline(TrainingDeadline):
-    """The deadline on a clock of its own: every optimizer step takes ``step_s`` seconds (each
-    process starts its clock at 0, as perf_counter's origin differs between processes)."""
+    """The deadline on a clock of its own: every optimizer step takes ``step_s`` seconds, and
+    ``1 + rank_slowdown × rank`` times that on a DDP rank (each process starts its clock at 0, as
+    perf_counter's origin differs between processes)."""
 
-    def __init__(self, minutes: float, every_n_steps: int, step_s: float) -> None:
+    def __init__(self, minutes: float, every_n_steps: int, step_s: float, rank_slowdown: float = 0.0) -> None:
         super().__init__(minutes, every_n_steps)
-        self.step_s, self.clock = step_s, 0.0
+        self.step_s, self.rank_slowdown, self.clock = step_s, rank_slowdown, 0.0
 
     def now(self) -> float:
         return self.clock
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        self.clock += self.step_s
+        self.clock += self.step_s * (1 + self.rank_slowdown * trainer.global_rank)
         super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
 
 
@@ -172,9 +173,15 @@ class StopAt(L.Callback):
             trainer.should_stop = True
 
 
-def deadline(minutes: float, step_s: float, every: int = 2) -> str:
-    paced = f"_target_:test_train.PacedDeadline,minutes:{minutes},every_n_steps:{every},step_s:{step_s}"
-    return f"callbacks.deadline={{{paced}}}"
+def deadline(minutes: float, step_s: float, every: int = 2, rank_slowdown: float = 0.0) -> str:
+    paced = f"minutes:{minutes},every_n_steps:{every},step_s:{step_s},rank_slowdown:{rank_slowdown}"
+    return f"callbacks.deadline={{_target_:test_train.PacedDeadline,{paced}}}"
+
+
+# A run in another process finds PacedDeadline (test_train) on its path.
+TESTS_ON_PATH = {
+    "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+}
 
 
 @pytest.mark.parametrize(
@@ -248,19 +255,24 @@ def test_cli_smoke(tmp_path):
     assert f"precision auto → {summary['precision']};" in result.stdout  # Hydra logs to stdout
 
 
-def test_ddp_two_processes_on_cpu(tmp_path):
+def test_ddp_two_processes_on_cpu_stop_together_at_their_deadline(tmp_path):
+    """Two CPU processes whose clocks disagree (rank 1 trains at half rank 0's pace: 6 s hold 8
+    of rank 0's steps, 4 of its own) both stop at rank 0's step 8. A rank deciding for itself
+    would stop at its own step 4 and break rank 0's next gradient all-reduce."""
     result = run_cli(
         "experiment=hass",
         "debug=smoke",
         "trainer=ddp",
         "trainer.precision=32-true",
+        deadline(0.1, 0.75, rank_slowdown=1.0),
         f"paths.log_dir={tmp_path}",
         cwd=tmp_path,
-        env_extra={"OMP_NUM_THREADS": "1"},
+        env_extra={"OMP_NUM_THREADS": "1", **TESTS_ON_PATH},
+        timeout=180,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "train" / "smoke-eagle-hass" / "summary.json").read_text())
-    assert summary["global_step"] == 6
+    assert summary["global_step"] == 8 and summary["deadline"]["max_steps"] == 8
     assert "world_size=2" in result.stderr or "distributed_backend=gloo" in result.stderr
 
 
@@ -301,6 +313,8 @@ def test_trainer_presets_compose_and_validate(tmp_path, preset, strategy, accele
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("preset", ["gpu", "ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3"])
 def test_gpu_presets_train(tmp_path, preset):
+    """Every GPU strategy trains HASS on online features, its steps sized by a deadline (6 s at
+    0.75 s a step: 8, where max_steps said 6) as the quickstart sizes them."""
     if preset.startswith("deepspeed"):
         pytest.importorskip("deepspeed")
     devices = min(2, torch.cuda.device_count())
@@ -311,12 +325,14 @@ def test_gpu_presets_train(tmp_path, preset):
         "trainer.accelerator=gpu",
         f"trainer.devices={devices if preset != 'gpu' else 1}",
         "trainer.precision=bf16-mixed",
+        deadline(0.1, 0.75),
         f"paths.log_dir={tmp_path}",
         cwd=tmp_path,
+        env_extra=TESTS_ON_PATH,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "train" / "smoke-eagle-hass" / "summary.json").read_text())
-    assert summary["global_step"] == 6
+    assert summary["global_step"] == 8
 
 
 def test_runs_without_a_logger(tmp_path):
