@@ -44,6 +44,8 @@ Stages (``--stages`` picks some):
   given again is kept);
 * ``regen_speed`` — a regeneration measurement alone (``--regen-logs BEFORE AFTER
   --regen-commits OLD NEW``, ``--train-speed-command`` saying how), into the same snapshot;
+* ``gpu_tests`` — a ``pytest -m gpu -v --durations=N`` log of a GPU session (``--gpu-log LOG
+  --gpu-commit SHA --gpu-machine TEXT``) into docs/results/gpu_tests.json, one run per commit;
 * ``doc``       — docs/results.md and its plots from the JSON the stages wrote (the ablation's
   paired-bootstrap intervals are computed from its bench's records when it is snapshotted).
 
@@ -826,6 +828,11 @@ def doc(
             "a GPU session: see docs/results/decoder_gpu_rounds.json",
         ),
         (
+            GPU_TESTS_TITLE,
+            gpu_tests_section,
+            "a GPU session: python scripts/results.py --stages gpu_tests doc --gpu-log LOG …",
+        ),
+        (
             TRAIN_SPEED_TITLE,
             train_speed_section,
             "python scripts/results.py --stages train_speed doc --train-speed OLDEST … NEWEST",
@@ -1384,6 +1391,8 @@ DECODER_GPU_TITLE = "## The decoder on one GPU: CUDA graphs (a lent H100, second
 DECODER_GPU_SNAPSHOT = "decoder_gpu.json"
 DECODER_ROUNDS_TITLE = "## The decoder on one GPU: greedy rounds on the device (a lent H100, third session)"
 DECODER_ROUNDS_SNAPSHOT = "decoder_gpu_rounds.json"
+GPU_TESTS_TITLE = "## `pytest -m gpu` on a lent GPU"
+GPU_TESTS_SNAPSHOT = "gpu_tests.json"
 # the dynamic tree the decoder issue measures drafting overhead on (conf/methods/decoder.yaml)
 DECODER_TREE = "head_dynamic"
 
@@ -2219,6 +2228,57 @@ def regen_measurement(logs: list[Path], commits: list[str], command: str) -> dic
     return measurement
 
 
+PYTEST_OUTCOME = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+PYTEST_DURATION = re.compile(r"^([\d.]+)s call\s+(tests/\S+::\S+)$")
+PYTEST_SUMMARY = re.compile(r"^=+ (.+ in [\d.]+s.*?) =+$")
+
+
+def gpu_tests(log: Path, commit: str, machine: str) -> None:
+    """docs/results/gpu_tests.json gains (or replaces) the run of ``commit``: each test's outcome
+    and call time, read from the ``pytest -m gpu -v --durations=N`` output in ``log``."""
+    outcomes: dict[str, dict] = {}
+    summary = None
+    for line in log.read_text().splitlines():
+        if found := PYTEST_OUTCOME.match(line):
+            outcomes[found[1]] = {"outcome": found[2]}
+        elif (found := PYTEST_DURATION.match(line)) and found[2] in outcomes:
+            outcomes[found[2]]["call_s"] = float(found[1])
+        elif found := PYTEST_SUMMARY.match(line):
+            summary = found[1]
+    if not outcomes or summary is None:
+        raise SystemExit(f"gpu_tests: {log} holds no `pytest -v` outcomes and summary line")
+    earlier = (read_json(SNAPSHOTS / GPU_TESTS_SNAPSHOT) or {}).get("runs", [])
+    runs = [run for run in earlier if run["commit"] != commit]
+    run = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "machine": machine, "summary": summary}
+    write_json_atomic(SNAPSHOTS / GPU_TESTS_SNAPSHOT, {"runs": [*runs, {**run, "tests": outcomes}]})
+
+
+def gpu_tests_section() -> list[str] | None:
+    """Every recorded ``pytest -m gpu`` run (docs/results/gpu_tests.json), newest last."""
+    snapshot = read_json(SNAPSHOTS / GPU_TESTS_SNAPSHOT)
+    if snapshot is None:
+        return None
+    lines = [
+        "The tests a CPU machine skips (CUDA graphs, the training strategies, the fused losses on "
+        "cuBLAS), run on a lent GPU: `pytest -m gpu -v --durations=20 tests`, the project's wheels and "
+        "DeepSpeed carried to the machine. Earlier sessions' runs are in the sections above.",
+        "",
+    ]
+    for run in snapshot["runs"]:
+        lines += [
+            f"**{run['date']}, commit {run['commit']}**, {run['machine']}: {run['summary']}.",
+            "",
+            "| test | outcome | call s |",
+            "|---|---|---|",
+            *(
+                f"| `{name.removeprefix('tests/')}` | {test['outcome']} | {test.get('call_s', '–')} |"
+                for name, test in run["tests"].items()
+            ),
+            "",
+        ]
+    return lines
+
+
 def regen_speed(logs: list[Path], commits: list[str], command: str) -> None:
     """A regeneration measurement alone, into this machine's training-speed snapshot (whose
     training measurements it keeps): ``logs`` of ``specdraft-regen`` at ``commits`` (before,
@@ -2460,6 +2520,9 @@ def main() -> None:
     parser.add_argument("--vocab-acceptance", type=Path, help="the reduced-vocabulary acceptance JSON")
     parser.add_argument("--train-speed-command", default="", help="how the measurements were made")
     parser.add_argument("--train-speed-repeats", nargs="*", type=Path, help="more runs, either checkout")
+    parser.add_argument("--gpu-log", type=Path, help="stage gpu_tests: a `pytest -m gpu -v` log")
+    parser.add_argument("--gpu-commit", help="stage gpu_tests: the commit the log's tests ran at")
+    parser.add_argument("--gpu-machine", help="stage gpu_tests: the GPU, its host and the software")
     args = parser.parse_args()
     placement = Placement(args.device, args.precision, args.batch_tokens)
     started = time.perf_counter()
@@ -2498,6 +2561,10 @@ def main() -> None:
             if not (args.regen_logs and args.regen_commits):
                 parser.error("stage regen_speed needs --regen-logs BEFORE AFTER and --regen-commits OLD NEW")
             regen_speed(args.regen_logs, args.regen_commits, args.train_speed_command)
+        elif stage == "gpu_tests":
+            if not (args.gpu_log and args.gpu_commit and args.gpu_machine):
+                parser.error("stage gpu_tests needs --gpu-log, --gpu-commit and --gpu-machine")
+            gpu_tests(args.gpu_log, args.gpu_commit, args.gpu_machine)
         elif stage == "doc":
             doc(args.decoder_provenance, args.mixture_provenance, args.ablation_provenance)
         else:

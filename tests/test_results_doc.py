@@ -347,6 +347,35 @@ def test_a_regeneration_measurement_alone_joins_this_machines_training_speed_sna
     assert "commits ccccccc → ddddddd; `how`" in text
 
 
+def test_a_gpu_test_log_becomes_one_run_per_commit_with_each_outcome_and_call_time(results, tmp_path):
+    log = tmp_path / "pytest_gpu.log"
+    log.write_text(
+        "tests/test_a.py::test_x[cuda] PASSED [ 50%]\n"
+        "tests/test_b.py::test_y FAILED      [100%]\n"
+        "E   AssertionError: 1 == 0\n"
+        "12.50s call     tests/test_b.py::test_y\n"
+        "0.01s setup    tests/test_a.py::test_x[cuda]\n"
+        "========= 1 failed, 1 passed, 9 deselected in 13.00s =========\n"
+    )
+    other = tmp_path / "other.log"
+    other.write_text("tests/test_a.py::test_x[cuda]\n")  # collected only: no outcome, no summary
+    with pytest.raises(SystemExit, match="no `pytest -v` outcomes"):
+        results.gpu_tests(other, "abc1234", "GPU")
+    for machine in ("first", "second"):  # the same commit again replaces its run
+        results.gpu_tests(log, "abc1234", machine)
+    results.gpu_tests(log, "def5678", "H100")
+    runs = json.loads((tmp_path / "docs" / "results" / results.GPU_TESTS_SNAPSHOT).read_text())["runs"]
+    assert [(run["commit"], run["machine"]) for run in runs] == [("abc1234", "second"), ("def5678", "H100")]
+    assert runs[0]["tests"] == {
+        "tests/test_a.py::test_x[cuda]": {"outcome": "PASSED"},  # no call time listed
+        "tests/test_b.py::test_y": {"outcome": "FAILED", "call_s": 12.5},
+    }
+    assert runs[0]["summary"] == "1 failed, 1 passed, 9 deselected in 13.00s"
+    results.doc()
+    text = "\n".join(results.sections(tmp_path / "docs" / "results.md")[results.GPU_TESTS_TITLE])
+    assert "| `test_b.py::test_y` | FAILED | 12.5 |" in text and "commit def5678**, H100" in text
+
+
 def test_batch_section_reports_throughput_per_size_and_the_crossover(results, tmp_path):
     def entry(rate, speedup, tau=None, identical=None):
         row = {"rows": 4, "tokens": 512, "wall_s": 512 / rate, "tokens_per_s": rate, "speedup": speedup}
