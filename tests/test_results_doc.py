@@ -347,6 +347,37 @@ def test_a_regeneration_measurement_alone_joins_this_machines_training_speed_sna
     assert "commits ccccccc → ddddddd; `how`" in text
 
 
+def summary(steps: int, tau: float, accs: tuple[float, ...]) -> dict:
+    final = {"val/sim_tau": tau, **{f"val/acc_{k}": acc for k, acc in enumerate(accs, 1)}}
+    return {"global_step": steps, "tokens_seen": 100 * steps, "fit_seconds": 1.0, "best_sim_tau": tau,
+            "final_val": final}  # fmt: skip
+
+
+def test_recipe_variants_are_snapshotted_in_their_order_and_refused_at_other_steps(
+    results, tmp_path, monkeypatch
+):
+    runs = {"base": ("–", 4), "seed1": ("datamodule.seed=1", 4), "seed2": ("datamodule.seed=2", 4),
+            "more": ("trainer.max_steps=6", 6)}  # fmt: skip
+    monkeypatch.setattr(results, "RECIPE_RUNS", runs)
+    root = tmp_path / "outputs" / "recipe-gpu"
+    for name, steps, tau in (("base", 4, 1.5), ("seed1", 4, 1.4), ("seed2", 4, 1.6), ("more", 5, 1.7)):
+        write(root / name / "summary.json", summary(steps, tau, (0.25, 0.125)))
+    with pytest.raises(SystemExit, match="run more trained 5 steps, not 6"):
+        results.recipe()
+    (root / "more" / "summary.json").unlink()
+    with pytest.raises(SystemExit, match=r"no .*more/summary\.json"):
+        results.recipe()
+    runs["more"] = ("trainer.max_steps=5", 5)
+    write(root / "more" / "summary.json", summary(5, 1.7, (0.5,)))
+    results.recipe()
+    results.doc()
+    text = "\n".join(results.sections(tmp_path / "docs" / "results.md")[results.RECIPE_TITLE])
+    rows = [line.split(" | ")[0] for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows == ["| run", "| base", "| seed1", "| seed2", "| more"]
+    assert "| more | trainer.max_steps=5 | 5 | 500 | 1.700 | 0.500 |" in text
+    assert "Three batch orders of the same recipe: 1.400–1.600." in text
+
+
 def test_a_gpu_test_log_becomes_one_run_per_commit_with_each_outcome_and_call_time(results, tmp_path):
     log = tmp_path / "pytest_gpu.log"
     log.write_text(
