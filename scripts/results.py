@@ -103,6 +103,11 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-softce-amx": (
+        "qs-softce-amx",
+        "make run (fresh clone of 9f0c805: install + specdraft-quickstart, budget_minutes=45; the "
+        "head's soft CE weighed 0.02, a 2 % budget margin) on an AMX-bf16 CPU",
+    ),
     "qs-deadline2-amx": (
         "qs-deadline2-amx",
         "make run (fresh clone of b713b1a: install + specdraft-quickstart, budget_minutes=45; the "
@@ -231,6 +236,19 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-softce-amx": (
+        "2026-11-26, `time make run` in a fresh clone of commit 9f0c805, alone on the machine: 43:50 "
+        "wall in all, of which the quickstart 42:33 of its 45-minute budget. A slow hour of this "
+        "machine class: the probe read 250 tokens/s of regeneration (385–404 in the runs before), "
+        "844 feature tokens/s (~1,530) and 7,378 training positions/s (~9,000), and plain decoding "
+        "in the eval ran at 17.3 tokens/s (20.1). The plan: 998 conversations (869 answered, 129 "
+        "dropped as too long), 1,708 training steps, a 9-minute eval box (its 20 % cap); the stages "
+        "before training finished 3:24 ahead of their ETAs, so training was resized to 2,079 steps "
+        "with a deadline of 19:59 for its steps and validations. It trained at ~0.72 s a step, so "
+        "its deadline resized it to 1,665 steps: 20:02 spent of the 19:59, the stage 20:23 against "
+        "an ETA of 20:12. Regeneration ran at 305 tokens/s. Outputs copied from that clone's run "
+        "`quickstart` under this run name."
+    ),
     "qs-deadline2-amx": (
         "2026-11-26, `time make run` in a fresh clone of commit b713b1a, alone on the machine (after "
         "this session's CI run on it): 43:10 wall in all, of which the quickstart 41:57 of its "
@@ -1427,10 +1445,10 @@ RECIPE_RUNS = {
 }  # fmt: skip
 RECIPE_PROVENANCE = (
     "2026-11-26, NVIDIA H100 80GB HBM3 on a host of Intel(R) Xeon(R) Processor × 16 cores; torch "
-    "2.11.0+cu130, lightning 2.6.6, transformers 5.23.0; at commit 97b9a51. Features: `specdraft-cache "
-    "data=jsonl data.source.path=<run qs-deadline2-amx's quickstart-train-1424.jsonl> "
-    "data.heldout_fraction=0.05 data.split_seed=1 split=train|heldout top_k=10 target.device=cuda` (the "
-    "quickstart's split); each run `specdraft-train experiment=quickstart trainer=gpu target.device=cuda "
+    "2.11.0+cu130, lightning 2.6.6, transformers 5.23.0; at commit 97b9a51. Features: specdraft-cache "
+    "over run qs-deadline2-amx's regenerated conversations (quickstart-train-1424.jsonl) split as the "
+    "quickstart splits them (5 % held out, split seed 1), top_k 10, on the GPU; each run "
+    "`specdraft-train experiment=quickstart trainer=gpu target.device=cuda "
     "trainer.max_steps=N trainer.val_check_interval=N/4 callbacks.curve_checkpoint=null <override>`, "
     "five or six side by side, 2 CPU threads each"
 )

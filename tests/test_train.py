@@ -180,7 +180,7 @@ def deadline(minutes: float, step_s: float, every: int = 2, rank_slowdown: float
 
 # A run in another process finds PacedDeadline (test_train) on its path.
 TESTS_ON_PATH = {
-    "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
 }
 
 
