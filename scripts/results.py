@@ -2302,8 +2302,8 @@ def recipe() -> None:
             raise SystemExit(f"recipe: no {LOG_DIR / 'recipe-gpu' / name / 'summary.json'}")
         if summary["global_step"] != steps:
             raise SystemExit(f"recipe: run {name} trained {summary['global_step']} steps, not {steps}")
-        keep = ("global_step", "tokens_seen", "fit_seconds", "best_sim_tau", "final_val")
-        runs.append({"run": name, "override": override, **{key: summary[key] for key in keep}})
+        kept = {key: summary[key] for key in (*TRAINING_KEYS, "final_val")}
+        runs.append({"run": name, "override": override, **kept})
     write_json_atomic(SNAPSHOTS / RECIPE_SNAPSHOT, {"provenance": RECIPE_PROVENANCE, "runs": runs})
 
 
