@@ -125,6 +125,46 @@ def test_fused_equals_reference(reduced, chunk_size):
     assert given.matches.tolist() == matches
 
 
+@pytest.mark.parametrize("reduced", [False, True])
+def test_sparse_targets_alone_never_read_the_target_distribution(reduced):
+    """Top-K and label terms only, the target's argmax given (its cached top-1): the values and
+    gradients of the reference, and the target's hidden states are never projected (NaN there
+    changes nothing)."""
+    torch.manual_seed(1)
+    steps, n, h, vocab_size, k = 2, 17, 8, 30, 4
+    dtype = torch.float64
+    hidden = torch.randn(steps, n, h, dtype=dtype, requires_grad=True)
+    target_hidden = torch.randn(n, h, dtype=dtype)
+    target_weight = torch.randn(vocab_size, h, dtype=dtype)
+    vocab = t2d_index = None
+    draft_size = vocab_size
+    if reduced:
+        d2t, t2d = draft_vocab_from_counts(torch.rand(vocab_size), 12)
+        vocab, t2d_index, draft_size = torch.arange(12) + d2t, target_to_draft_index(t2d), 12
+    weight = torch.randn(draft_size, h, dtype=dtype, requires_grad=True)
+    valid = torch.rand(steps, n) > 0.2
+    topk_probs, topk_ids = (target_hidden @ target_weight.T).softmax(-1).topk(k, dim=-1)
+    labels = torch.randint(0, vocab_size, (n,))
+    labels[::4] = -1
+    weights = LossWeights(soft_ce=0.0, topk=0.02, topk_k=k, ce=0.5)
+    step_weights = [1.0, 0.7]
+    inputs = (valid, step_weights, weights, vocab, t2d_index, topk_ids, topk_probs, labels)
+    expected, values, matches = reference(hidden, weight, target_hidden, target_weight, *inputs)
+    expected_grads = torch.autograd.grad(expected, [hidden, weight])
+    out = fused_vocab_losses(
+        hidden, weight, torch.full_like(target_hidden, float("nan")), target_weight, *inputs,
+        chunk_size=5, target_argmax=topk_ids[:, 0],
+    )  # fmt: skip
+    grads = torch.autograd.grad(out.loss, [hidden, weight])
+    torch.testing.assert_close(out.loss.double(), expected.double(), rtol=1e-6, atol=1e-6)
+    for column in (TERMS.index("topk"), TERMS.index("ce")):
+        want = torch.tensor([step[column] for step in values], dtype=torch.float64)
+        torch.testing.assert_close(out.terms[:, column].double(), want, rtol=1e-5, atol=1e-6)
+    assert out.matches.tolist() == matches
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_frozen_projection_gets_no_gradient():
     hidden = torch.randn(1, 5, 4, requires_grad=True)
     weight = torch.randn(7, 4)

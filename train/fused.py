@@ -13,9 +13,11 @@ hidden states and the draft vocabulary projection in closed form,
 so nothing vocabulary-sized outlives the call: it lives in a few V×c buffers reused by every
 chunk and step (:class:`_VocabBuffers`, vocabulary-major for speed). When no gradient is wanted
 (validation under ``no_grad``) the gradient matmuls are skipped: they are half the work; when the
-target's argmax is known (its cached top-1) only its softmax is computed, not its argmax. The
-values and gradients equal those of the reference terms in ``losses.py`` (tested); ``feature``
-(SmoothL1) is small and stays outside.
+target's argmax is known (its cached top-1) only its softmax is computed, not its argmax, and when
+no term reads its whole distribution either (top-K and label terms only: they come sparse, K
+entries a position) the target's vocabulary projection is not computed at all — a third of the
+matmuls and half the elementwise passes. The values and gradients equal those of the reference
+terms in ``losses.py`` (tested); ``feature`` (SmoothL1) is small and stays outside.
 """
 
 from __future__ import annotations
@@ -176,13 +178,18 @@ class _FusedVocabLosses(torch.autograd.Function):
         trained = step_valid & keep  # S×N
         denominators = trained.sum(-1).clamp(min=1).double()
 
-        # The soft targets w = (c_soft + c_kl)·p + c_topk·(p on the top-K) + c_ce·onehot: kept as
-        # a multiple of p when it is one (no top-K, no labels), else in a buffer of its own.
-        w_in_buffer = coef["topk"] > 0 or coef["ce"] > 0
+        # The soft targets w = c_dense·p + (c_topk·(p on the top-K) + c_ce·onehot): the dense
+        # part reads the target's whole distribution p (soft CE, forward KL), the sparse part K'
+        # entries a position, kept as (ids, weights) and never spread over V×c. p itself is only
+        # computed when the dense part or the target's argmax (unknown: no cached top-1, full
+        # vocab) needs it: else the target's vocabulary projection is skipped altogether.
+        dense = coef["soft_ce"] + coef["forward_kl"]
+        wants_argmax = target_argmax_given is None and not reduced
+        needs_distribution = dense > 0 or wants_argmax
         vocab = w_target.shape[0]
         if w_draft.shape[-2] != vocab:
             raise ValueError(f"a draft projection of {w_draft.shape[-2]} rows for a {vocab}-token vocabulary")
-        buffers = _VocabBuffers(vocab, min(chunk_size, n), acc, device, 5 if w_in_buffer else 4)
+        buffers = _VocabBuffers(vocab, min(chunk_size, n), acc, device, 4 if needs_distribution else 3)
         last_first = torch.arange(vocab, 0, -1, dtype=acc, device=device).unsqueeze(-1)  # V×1
 
         terms = torch.zeros(steps, len(TERMS), dtype=torch.float64, device=device)
@@ -198,42 +205,44 @@ class _FusedVocabLosses(torch.autograd.Function):
             gathered = _GatheredWeightGradient(grad_weight, per_step_weight, min(chunk_size, n), compute)
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
-            logits, probs, product, p, *w_buffer = buffers.views(min(chunk_size, n - start))
+            logits, probs, product, *target_buffer = buffers.views(min(chunk_size, n - start))
             # Everything vocabulary-sized is V×c (vocabulary-major), see _VocabBuffers.
-            target_logits = _project(w_target, target_hidden[rows], logits)
-            # p: the target's distribution. Its argmax only when not known (the cached top-1 gives
-            # it; with a reduced vocab it was found above): two passes over V×c saved per chunk.
-            wants_argmax = target_argmax_given is None and not reduced
-            _, total, target_top = _softmax_(
-                target_logits, p, (product, last_first) if wants_argmax else None
-            )
-            p.div_(total)
-            if wants_argmax:
-                target_argmax[rows] = target_top
-            if w_in_buffer:
-                w = torch.mul(p, coef["soft_ce"] + coef["forward_kl"], out=w_buffer[0])
-                w_scale = 1.0
-            else:
-                w, w_scale = p, coef["soft_ce"] + coef["forward_kl"]
-            sparse_ids = sparse_probs = None
+            p = neg_entropy = None
+            if needs_distribution:
+                # p: the target's distribution. Its argmax only when not known (the cached top-1
+                # gives it; with a reduced vocab it was found above): two passes over V×c saved.
+                p = target_buffer[0]
+                target_logits = _project(w_target, target_hidden[rows], logits)
+                _, total, target_top = _softmax_(
+                    target_logits, p, (product, last_first) if wants_argmax else None
+                )
+                p.div_(total)
+                if wants_argmax:
+                    target_argmax[rows] = target_top
+                if coef["forward_kl"] > 0:
+                    neg_entropy = torch.special.xlogy(p, p).sum(0)
+            sparse_ids, sparse_weights = [], []  # c×K' each, K' = K (top-K) + 1 (label)
+            topk_rows = label_ids = None
             if coef["topk"] > 0:
-                sparse_ids = topk_ids[rows]
+                topk_rows = topk_ids[rows]
                 if reduced:
-                    sparse_ids = target_to_draft[sparse_ids]
-                sparse_probs = topk_probs[rows].to(acc) * (sparse_ids >= 0)
-                sparse_ids = sparse_ids.clamp(min=0)
-                w.scatter_add_(0, sparse_ids.T, coef["topk"] * sparse_probs.T)
-            label_ids = None
+                    topk_rows = target_to_draft[topk_rows]
+                sparse_probs = topk_probs[rows].to(acc) * (topk_rows >= 0)
+                topk_rows = topk_rows.clamp(min=0)
+                sparse_ids.append(topk_rows)
+                sparse_weights.append(coef["topk"] * sparse_probs)
             if coef["ce"] > 0:
                 label_ids = labels[rows]
                 if reduced:
                     label_ids = torch.where(label_ids >= 0, target_to_draft[label_ids.clamp(min=0)], -1)
-                has_label = label_ids >= 0
+                has_label = (label_ids >= 0).to(acc)
                 label_ids = label_ids.clamp(min=0)
-                w.scatter_add_(0, label_ids.unsqueeze(0), coef["ce"] * has_label.unsqueeze(0).to(acc))
-            # Σ_v w_v per position: w_scale when w is p (which sums to 1)
-            w_total = w.sum(0) if w_in_buffer else w_scale
-            neg_entropy = torch.special.xlogy(p, p).sum(0) if coef["forward_kl"] > 0 else None
+                sparse_ids.append(label_ids.unsqueeze(1))
+                sparse_weights.append(coef["ce"] * has_label.unsqueeze(1))
+            sparse_ids = torch.cat(sparse_ids, 1).T if sparse_ids else None  # K'×c
+            sparse_weights = torch.cat(sparse_weights, 1).T if sparse_weights else None
+            # Σ_v w_v per position (p sums to 1)
+            w_total = dense + (sparse_weights.sum(0) if sparse_weights is not None else 0.0)
             for j in range(steps):
                 hidden = draft_hidden[j, rows].detach()
                 step_weight = w_draft[j] if per_step_weight else w_draft
@@ -247,13 +256,15 @@ class _FusedVocabLosses(torch.autograd.Function):
                 valid = step_valid[j, rows]
                 matches[j] += ((drafted == target_argmax[rows]) & valid).sum()
                 row_mask = trained[j, rows].double()
-                # −Σ_v p_v log q_v = lse − Σ_v p_v logit_v, as p sums to 1
-                soft = (lse.squeeze(0) - torch.mul(p, draft_logits, out=product).sum(0)).double()
-                values = [soft, soft, torch.zeros_like(soft), torch.zeros_like(soft)]
-                if neg_entropy is not None:
-                    values[1] = soft + neg_entropy.double()
-                if sparse_ids is not None:
-                    log_q = draft_logits.gather(0, sparse_ids.T).T - lse.T  # c×K
+                zeros = torch.zeros(lse.shape[-1], dtype=torch.float64, device=device)
+                values = [zeros, zeros, zeros, zeros]
+                if p is not None:  # −Σ_v p_v log q_v = lse − Σ_v p_v logit_v, as p sums to 1
+                    soft = (lse.squeeze(0) - torch.mul(p, draft_logits, out=product).sum(0)).double()
+                    values[0] = values[1] = soft
+                    if neg_entropy is not None:
+                        values[1] = soft + neg_entropy.double()
+                if topk_rows is not None:
+                    log_q = draft_logits.gather(0, topk_rows.T).T - lse.T  # c×K
                     values[2] = -(sparse_probs * log_q).sum(-1).double()
                 if label_ids is not None:
                     log_q = draft_logits.gather(0, label_ids.unsqueeze(0)).squeeze(0) - lse.squeeze(0)
@@ -263,9 +274,14 @@ class _FusedVocabLosses(torch.autograd.Function):
                     continue
                 # Gradient of step_weight_j · Σ_t c_t · mean_j(term_t) with respect to the logits,
                 # (Σ_v w_v)·q − w per position scaled, written over exp(logit − max) in place
-                # (q = that / total).
+                # (q = that / total): the dense part of w subtracted over V×c, the sparse part
+                # at its K' entries.
                 scale = (step_weights[j] / denominators[j]).to(acc) * trained[j, rows].to(acc)  # c
-                grad_logits = probs.mul_(w_total * scale / total).addcmul_(w, scale, value=-w_scale)
+                grad_logits = probs.mul_(w_total * scale / total)
+                if p is not None and dense > 0:
+                    grad_logits.addcmul_(p, scale, value=-dense)
+                if sparse_ids is not None:
+                    grad_logits.scatter_add_(0, sparse_ids, sparse_weights * -scale)
                 if gathered is not None:
                     grad_logits = gathered.slot(j, hidden).copy_(grad_logits)
                 else:
