@@ -35,6 +35,8 @@ from specdraft.train.objective import DraftObjective, RolloutConfig
 
 VARIANTS = {
     "quickstart": ["experiment=quickstart"],  # EAGLE with the 8,192-token training vocabulary
+    # ... distilling the target's whole distribution (soft CE) instead of its cached top-10
+    "quickstart_softce": ["experiment=quickstart", "loss.weights.soft_ce=0.02", "loss.weights.topk=0"],
     "eagle": ["experiment=eagle"],
     "hass": ["experiment=hass"],
     "eagle3": ["experiment=eagle3"],
