@@ -14,6 +14,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import compose_train
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from specdraft.data.features import TokenBatch, extract_features
@@ -365,16 +366,36 @@ def test_fsdp_gradients_are_clipped_by_norm_through_the_fsdp_module(tiny_target)
     )
     optimizer = torch.optim.AdamW(module.parameters())
     fsdp = mock.create_autospec(FullyShardedDataParallel, instance=True)
-    module._trainer = SimpleNamespace(model=fsdp)
+    module._trainer = SimpleNamespace(model=fsdp, precision_plugin=Precision())
     with mock.patch.object(L.LightningModule, "configure_gradient_clipping") as lightning:
         module.configure_gradient_clipping(optimizer, 0.5, None)
         module.configure_gradient_clipping(optimizer, 0.5, "norm")
         assert fsdp.clip_grad_norm_.call_args_list == [mock.call(0.5), mock.call(0.5)]
         lightning.assert_not_called()
         module.configure_gradient_clipping(optimizer, 0.5, "value")  # by value: Lightning's own
-        module._trainer = SimpleNamespace(model=module)  # not FSDP: Lightning's own
+        module._trainer = SimpleNamespace(model=module, precision_plugin=Precision())  # Lightning's own
         module.configure_gradient_clipping(optimizer, 0.5, None)
         assert lightning.call_count == 2 and fsdp.clip_grad_norm_.call_count == 2
+
+
+def test_a_fused_optimizer_under_bf16_mixed_is_clipped_by_norm(tiny_target):
+    """conf/optim/adamw.yaml's fused AdamW: Lightning's mixed-precision plugin refuses to clip
+    for it (a GradScaler's gradients would be unscaled inside its step); bf16 has no scaler, so
+    the module clips by norm as in full precision."""
+    objective = DraftObjective(LossWeights(feature=1.0), RolloutConfig())
+    module = DraftHeadModule(
+        EagleHead(tiny_target.spec, target_weights(tiny_target)), objective, torch.optim.AdamW
+    )
+    optimizer = torch.optim.AdamW(module.parameters(), fused=True)
+    plugin = MixedPrecision("bf16-mixed", "cpu")
+    for parameter in module.parameters():
+        parameter.grad = torch.full_like(parameter, 3.0)
+    with pytest.raises(RuntimeError, match="fused"):
+        plugin.clip_gradients(optimizer, 0.5)
+    module._trainer = SimpleNamespace(model=module, precision_plugin=plugin)
+    module.configure_gradient_clipping(optimizer, 0.5, None)
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in module.parameters()]))
+    assert norm == pytest.approx(0.5, rel=1e-4)
 
 
 def test_init_from_starts_from_a_trained_heads_weights_and_refuses_another_head(tmp_path):

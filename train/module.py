@@ -13,6 +13,8 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -135,11 +137,20 @@ class DraftHeadModule(L.LightningModule):
     ) -> None:
         """Under FSDP each rank holds shards of the gradients, so their norm is a collective that
         only the FSDP module computes; Lightning clips FSDP gradients by value only (and raises
-        for the trainer's default, by norm), so clip by norm through the wrapped module."""
+        for the trainer's default, by norm), so clip by norm through the wrapped module.
+
+        Under bf16-mixed Lightning refuses to clip for a fused optimizer (``optim.fused``), which
+        could unscale a GradScaler's fp16 gradients inside its step; bf16 has no scaler, the
+        gradients are as they are, so they are clipped as in full precision."""
         wrapped = self._trainer.model if self._trainer is not None else None
         by_norm = gradient_clip_algorithm in (None, "norm")
         if gradient_clip_val and by_norm and isinstance(wrapped, FullyShardedDataParallel):
             wrapped.clip_grad_norm_(gradient_clip_val)
+            return
+        plugin = self._trainer.precision_plugin if self._trainer is not None else None
+        if gradient_clip_val and isinstance(plugin, MixedPrecision) and plugin.scaler is None:
+            algorithm = GradClipAlgorithmType(gradient_clip_algorithm or "norm")
+            Precision.clip_gradients(plugin, optimizer, gradient_clip_val, algorithm)
             return
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
