@@ -221,7 +221,7 @@ class _FusedVocabLosses(torch.autograd.Function):
                     target_argmax[rows] = target_top
                 if coef["forward_kl"] > 0:
                     neg_entropy = torch.special.xlogy(p, p).sum(0)
-            sparse_ids, sparse_weights = [], []  # c×K' each, K' = K (top-K) + 1 (label)
+            id_columns, weight_columns = [], []  # c×K (top-K), c×1 (label)
             topk_rows = label_ids = None
             if coef["topk"] > 0:
                 topk_rows = topk_ids[rows]
@@ -229,18 +229,19 @@ class _FusedVocabLosses(torch.autograd.Function):
                     topk_rows = target_to_draft[topk_rows]
                 sparse_probs = topk_probs[rows].to(acc) * (topk_rows >= 0)
                 topk_rows = topk_rows.clamp(min=0)
-                sparse_ids.append(topk_rows)
-                sparse_weights.append(coef["topk"] * sparse_probs)
+                id_columns.append(topk_rows)
+                weight_columns.append(coef["topk"] * sparse_probs)
             if coef["ce"] > 0:
                 label_ids = labels[rows]
                 if reduced:
                     label_ids = torch.where(label_ids >= 0, target_to_draft[label_ids.clamp(min=0)], -1)
                 has_label = (label_ids >= 0).to(acc)
                 label_ids = label_ids.clamp(min=0)
-                sparse_ids.append(label_ids.unsqueeze(1))
-                sparse_weights.append(coef["ce"] * has_label.unsqueeze(1))
-            sparse_ids = torch.cat(sparse_ids, 1).T if sparse_ids else None  # K'×c
-            sparse_weights = torch.cat(sparse_weights, 1).T if sparse_weights else None
+                id_columns.append(label_ids.unsqueeze(1))
+                weight_columns.append(coef["ce"] * has_label.unsqueeze(1))
+            # The sparse targets K'×c (K' = K + 1 with both terms).
+            sparse_ids = torch.cat(id_columns, 1).T if id_columns else None
+            sparse_weights = torch.cat(weight_columns, 1).T if weight_columns else None
             # Σ_v w_v per position (p sums to 1)
             w_total = dense + (sparse_weights.sum(0) if sparse_weights is not None else 0.0)
             for j in range(steps):
