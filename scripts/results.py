@@ -103,6 +103,11 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-topk-amx": (
+        "qs-topk-amx",
+        "make run (fresh clone of d2746bd: install + specdraft-quickstart, budget_minutes=45; the "
+        "head distilled through the target's cached top-10, AdamW fused) on an AMX-bf16 CPU",
+    ),
     "qs-softce-amx": (
         "qs-softce-amx",
         "make run (fresh clone of 9f0c805: install + specdraft-quickstart, budget_minutes=45; the "
@@ -236,6 +241,21 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-topk-amx": (
+        "2026-11-26, `time make run` in a fresh clone of commit d2746bd, alone on the machine: 46:11 "
+        "wall in all, of which the quickstart 45:01 of its 45-minute budget. The plan: 1,254 "
+        "conversations (1,082 answered, 172 dropped as too long), 2,056 training steps probed at "
+        "0.477 s (8,589 positions/s), an 8.4-minute eval box; the stages before training finished "
+        "2:38 ahead of their ETAs, so training was resized to 2,387 steps with a deadline of 19:38 "
+        "for its steps and validations. The machine slowed as the run went on: training steps took "
+        "0.40 s at first and 0.75–0.86 s in its last 300, so its deadline resized it to 1,950 steps "
+        "(19:41 spent; the stage 20:07 against an ETA of 19:49), and plain decoding in the eval ran "
+        "at 14.0 tokens/s (17.3–21.5 in the runs before), the eval taking 9:02 of its 8.4-minute box "
+        "(a question started inside the box ran past it). The same training-step benchmark on fixed "
+        "batches read 12,722 training tokens/s before the run and 8,552 right after it. "
+        "Regeneration ran at 338 tokens/s (the probe: 331). Outputs copied from that clone's run "
+        "`quickstart` under this run name."
+    ),
     "qs-softce-amx": (
         "2026-11-26, `time make run` in a fresh clone of commit 9f0c805, alone on the machine: 43:50 "
         "wall in all, of which the quickstart 42:33 of its 45-minute budget. A slow hour of this "
