@@ -1,3 +1,5 @@
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -10,7 +12,12 @@ from specdraft.data.conversations import (
     ReadReport,
     split_conversations,
 )
-from specdraft.data.datamodule import FeatureDataModule, LengthBucketBatchSampler, UniformFeatureNoise
+from specdraft.data.datamodule import (
+    ACCELERATOR_LOADER_WORKERS,
+    FeatureDataModule,
+    LengthBucketBatchSampler,
+    UniformFeatureNoise,
+)
 from specdraft.data.features import FeatureBatch, TokenBatch
 
 
@@ -116,6 +123,32 @@ def test_cached_mode_with_workers(tmp_path, tiny_target):
     batches = [module.features_for(b, training=True) for b in module.train_dataloader()]
     assert sum(int(b.attention_mask.sum()) for b in batches) == sum(len(s.input_ids) for s in samples)
     assert all(b.input_hidden is not None and b.aux is None for b in batches)
+
+
+def test_auto_loader_workers_only_on_an_accelerator(tmp_path, tiny_target):
+    """num_workers=auto (the cached default): no worker processes when training on a CPU, whose
+    cores the training's threads use; ACCELERATOR_LOADER_WORKERS on an accelerator."""
+    samples, _ = tokenize_conversations(
+        tiny_target.tokenizer, conversation_set(8).conversations, 512, progress=False
+    )
+    for name in ("train", "val"):
+        write_cache(tiny_target, samples, tmp_path / name, StoredFields(), {"d": 1}, progress=False)
+    caches = {"train_cache": str(tmp_path / "train"), "val_cache": str(tmp_path / "val")}
+    module = FeatureDataModule("cached", tiny_target, num_workers="auto", **caches)
+    module.setup("fit")
+    assert module.train_dataloader().num_workers == 0  # no trainer: as on a CPU
+
+    def on(device: str) -> SimpleNamespace:
+        return SimpleNamespace(
+            strategy=SimpleNamespace(root_device=torch.device(device)), world_size=1, global_rank=0
+        )
+
+    module.trainer = on("cpu")
+    assert module.train_dataloader().num_workers == 0
+    module.trainer = on("meta")  # any accelerator
+    assert module.val_dataloader().num_workers == ACCELERATOR_LOADER_WORKERS
+    with pytest.raises(ValueError, match="num_workers must be an integer >= 0 or 'auto'"):
+        FeatureDataModule("cached", tiny_target, num_workers="two", **caches)
 
 
 def test_a_list_of_train_caches_is_one_mixture_read_in_full_each_epoch(tmp_path, tiny_target):
