@@ -103,6 +103,11 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-workers-amx": (
+        "qs-workers-amx",
+        "make run (fresh clone of 041203b: install + specdraft-quickstart, budget_minutes=45; the "
+        "defaults of qs-topk-amx, no loader workers on a CPU) on an AMX-bf16 CPU",
+    ),
     "qs-topk-amx": (
         "qs-topk-amx",
         "make run (fresh clone of d2746bd: install + specdraft-quickstart, budget_minutes=45; the "
@@ -241,6 +246,18 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-workers-amx": (
+        "2026-11-26, `time make run` in a fresh clone of commit 041203b, alone on the machine (after "
+        "run qs-topk-amx and a default-tier test run): 43:52 wall in all, of which the quickstart 42:44 of "
+        "its 45-minute budget. The plan: 1,484 conversations (1,288 answered, 196 dropped as too "
+        "long), 2,421 training steps probed at 0.434 s (9,442 positions/s), a 7.1-minute eval box; "
+        "the stages before training finished 2:31 ahead of their ETAs, so training was resized to "
+        "2,769 steps with a deadline of 20:18 for its steps and validations. It trained at ~0.51 s "
+        "a step, so its deadline resized it to 2,388 steps: 20:19 spent, the stage 20:33 against an "
+        "ETA of 20:26; its final weights were exported. Regeneration ran at 386 tokens/s (the probe: "
+        "376), plain decoding in the eval at 21.4 tokens/s; the eval took 5:43 of its box. Outputs "
+        "copied from that clone's run `quickstart` under this run name."
+    ),
     "qs-topk-amx": (
         "2026-11-26, `time make run` in a fresh clone of commit d2746bd, alone on the machine: 46:11 "
         "wall in all, of which the quickstart 45:01 of its 45-minute budget. The plan: 1,254 "
