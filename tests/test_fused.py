@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -54,11 +56,15 @@ def reference(
     return total, values, matches
 
 
-@pytest.mark.parametrize("reduced", [False, True])
-@pytest.mark.parametrize("chunk_size", [3, 64])
-def test_fused_equals_reference(reduced, chunk_size):
-    torch.manual_seed(0)
-    steps, n, h, vocab_size, k = 3, 20, 8, 30, 4
+K = 4  # the target's top-K in these problems
+
+
+def random_problem(seed: int, steps: int, n: int, reduced: bool, unlabelled_every: int) -> SimpleNamespace:
+    """fp64 inputs of fused_vocab_losses: S×N×H draft states and a trainable projection over a
+    30-token vocabulary (12 draft tokens when ``reduced``), the target's states, lm_head and top-K,
+    valid positions and labels (every ``unlabelled_every``-th −1)."""
+    torch.manual_seed(seed)
+    h, vocab_size = 8, 30
     dtype = torch.float64
     hidden = torch.randn(steps, n, h, dtype=dtype, requires_grad=True)
     target_hidden = torch.randn(n, h, dtype=dtype)
@@ -70,10 +76,26 @@ def test_fused_equals_reference(reduced, chunk_size):
         vocab, t2d_index, draft_size = torch.arange(12) + d2t, target_to_draft_index(t2d), 12
     weight = torch.randn(draft_size, h, dtype=dtype, requires_grad=True)
     valid = torch.rand(steps, n) > 0.2
-    topk_probs, topk_ids = (target_hidden @ target_weight.T).softmax(-1).topk(k, dim=-1)
+    topk_probs, topk_ids = (target_hidden @ target_weight.T).softmax(-1).topk(K, dim=-1)
     labels = torch.randint(0, vocab_size, (n,))
-    labels[::5] = -1
-    weights = LossWeights(soft_ce=0.3, forward_kl=0.2, topk=1.5, topk_k=k, ce=0.7)
+    labels[::unlabelled_every] = -1
+    return SimpleNamespace(
+        hidden=hidden, weight=weight, target_hidden=target_hidden, target_weight=target_weight,
+        valid=valid, vocab=vocab, t2d_index=t2d_index, topk_ids=topk_ids, topk_probs=topk_probs,
+        labels=labels,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+@pytest.mark.parametrize("chunk_size", [3, 64])
+def test_fused_equals_reference(reduced, chunk_size):
+    problem = random_problem(0, steps=3, n=20, reduced=reduced, unlabelled_every=5)
+    hidden, weight, target_hidden, target_weight = (
+        problem.hidden, problem.weight, problem.target_hidden, problem.target_weight
+    )  # fmt: skip
+    valid, vocab, t2d_index, labels = problem.valid, problem.vocab, problem.t2d_index, problem.labels
+    topk_ids, topk_probs = problem.topk_ids, problem.topk_probs
+    weights = LossWeights(soft_ce=0.3, forward_kl=0.2, topk=1.5, topk_k=K, ce=0.7)
     step_weights = [1.0, 0.5, 0.25]
 
     expected, values, matches = reference(
@@ -130,23 +152,13 @@ def test_sparse_targets_alone_never_read_the_target_distribution(reduced):
     """Top-K and label terms only, the target's argmax given (its cached top-1): the values and
     gradients of the reference, and the target's hidden states are never projected (NaN there
     changes nothing)."""
-    torch.manual_seed(1)
-    steps, n, h, vocab_size, k = 2, 17, 8, 30, 4
-    dtype = torch.float64
-    hidden = torch.randn(steps, n, h, dtype=dtype, requires_grad=True)
-    target_hidden = torch.randn(n, h, dtype=dtype)
-    target_weight = torch.randn(vocab_size, h, dtype=dtype)
-    vocab = t2d_index = None
-    draft_size = vocab_size
-    if reduced:
-        d2t, t2d = draft_vocab_from_counts(torch.rand(vocab_size), 12)
-        vocab, t2d_index, draft_size = torch.arange(12) + d2t, target_to_draft_index(t2d), 12
-    weight = torch.randn(draft_size, h, dtype=dtype, requires_grad=True)
-    valid = torch.rand(steps, n) > 0.2
-    topk_probs, topk_ids = (target_hidden @ target_weight.T).softmax(-1).topk(k, dim=-1)
-    labels = torch.randint(0, vocab_size, (n,))
-    labels[::4] = -1
-    weights = LossWeights(soft_ce=0.0, topk=0.02, topk_k=k, ce=0.5)
+    problem = random_problem(1, steps=2, n=17, reduced=reduced, unlabelled_every=4)
+    hidden, weight, target_hidden, target_weight = (
+        problem.hidden, problem.weight, problem.target_hidden, problem.target_weight
+    )  # fmt: skip
+    valid, vocab, t2d_index, labels = problem.valid, problem.vocab, problem.t2d_index, problem.labels
+    topk_ids, topk_probs = problem.topk_ids, problem.topk_probs
+    weights = LossWeights(soft_ce=0.0, topk=0.02, topk_k=K, ce=0.5)
     step_weights = [1.0, 0.7]
     inputs = (valid, step_weights, weights, vocab, t2d_index, topk_ids, topk_probs, labels)
     expected, values, matches = reference(hidden, weight, target_hidden, target_weight, *inputs)
