@@ -103,6 +103,11 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-epyc-bf16": (
+        "qs-epyc-bf16",
+        "make run (fresh clone of 12c8e88: install + specdraft-quickstart, budget_minutes=45; the "
+        "defaults of qs-workers-amx) on an AMD EPYC with AVX-512-bf16 but no AMX",
+    ),
     "qs-workers-amx": (
         "qs-workers-amx",
         "make run (fresh clone of 041203b: install + specdraft-quickstart, budget_minutes=45; the "
@@ -246,6 +251,21 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-epyc-bf16": (
+        "2026-11-26, `time make run` in a fresh clone of commit 12c8e88, the first job of a "
+        "session (beside it only the main checkout's install in its first minutes and a 10 Hz py-spy "
+        "sampler for 60 s of its caching): 43:21 wall "
+        "in all, of which the quickstart 42:25 of its 45-minute budget. The plan: 1,483 "
+        "conversations (1,287 answered, 196 dropped as too long), 3,095 training steps probed at "
+        "0.347 s (11,804 positions/s), a 4.0-minute eval box. Caching ran 1.75× faster than its "
+        "probe (5:21 against an ETA of 9:23), so the stages before training finished 4:43 ahead "
+        "and training was resized to 3,911 steps (ETA 23:29). It trained at ~0.41 s a step, so its "
+        "deadline resized it to 3,363 steps: 23:03 of fit, the stage 23:13 against 23:29; its final "
+        "weights were the best. Regeneration ran at 482 tokens/s (the probe: 497), plain decoding "
+        "in the eval at 47.4 tokens/s (2.2× the AMX Xeon's 21.4): a 60-node tree's verification "
+        "costs more than its τ buys here (0.82×) where the 12-node one pays (1.38×); the eval took "
+        "3:07 of its box. Outputs copied from that clone's run `quickstart` under this run name."
+    ),
     "qs-workers-amx": (
         "2026-11-26, `time make run` in a fresh clone of commit 041203b, alone on the machine (after "
         "run qs-topk-amx and a default-tier test run): 43:52 wall in all, of which the quickstart 42:44 of "
@@ -904,6 +924,11 @@ def doc(
             lambda: train_speed_section(TRAIN_SPEED_BF16_SNAPSHOT),
             "the train_speed stage, on a CPU with AMX",
         ),
+        (
+            TRAIN_SPEED_AVX512BF16_TITLE,
+            lambda: train_speed_section(TRAIN_SPEED_AVX512BF16_SNAPSHOT),
+            "the train_speed stage, on a CPU with AVX-512-bf16 but no AMX",
+        ),
     ):
         body = render()
         if body is None:
@@ -1058,15 +1083,20 @@ def mixture_snapshot(report: dict, settings: dict, records: list[dict]) -> dict:
 
 def machine_snapshot(stem: str, hardware: dict) -> str:
     """Where a measurement of ``hardware`` (a ``detect_hardware().record()``) is snapshotted: one
-    snapshot per class of machine, because the issues' goals differ by class (with native bf16 a
-    tree verification is nearly free and training runs bf16-mixed; on an AVX2-only CPU a verify
-    costs a step per few nodes and training runs fp32) and one machine's run must not replace
-    another's. ``<stem>.json`` on an AVX2-only CPU, ``<stem>_bf16.json`` on a CPU with native bf16,
-    ``<stem>_<device>.json`` on an accelerator (the lent-GPU sessions' snapshots are kept by hand)."""
+    snapshot per class of machine, because the issues' goals differ by class (with AMX a tree
+    verification is nearly free and training runs bf16-mixed; on an AVX2-only CPU a verify costs a
+    step per few nodes and training runs fp32; an AMD EPYC with AVX-512-bf16 but no AMX trains
+    bf16-mixed, decodes one token 2× faster than the AMX Xeon and verifies a 60-node tree slower)
+    and one machine's run must not replace another's. ``<stem>.json`` on an AVX2-only CPU,
+    ``<stem>_bf16.json`` on a CPU with AMX-bf16, ``<stem>_avx512bf16.json`` on one with native
+    bf16 but no AMX, ``<stem>_<device>.json`` on an accelerator (the lent-GPU sessions' snapshots
+    are kept by hand)."""
     device_type = hardware.get("device_type", "cpu")
     if device_type != "cpu":
         return f"{stem}_{device_type}.json"
-    return f"{stem}_bf16.json" if hardware.get("fast_bf16") else f"{stem}.json"
+    if not hardware.get("fast_bf16"):
+        return f"{stem}.json"
+    return f"{stem}_bf16.json" if "amx_bf16" in hardware.get("cpu_flags", ()) else f"{stem}_avx512bf16.json"
 
 
 def ablation_snapshot() -> dict | None:
@@ -1433,6 +1463,10 @@ TRAIN_SPEED_TITLE = "## Training speed per head kind (`scripts/bench_train_step.
 TRAIN_SPEED_SNAPSHOT = "train_speed.json"  # an AVX2-only CPU's, fp32 (machine_snapshot)
 TRAIN_SPEED_BF16_TITLE = "## Training speed per head kind on a CPU with native bf16 (AMX-bf16, bf16-mixed)"
 TRAIN_SPEED_BF16_SNAPSHOT = "train_speed_bf16.json"
+TRAIN_SPEED_AVX512BF16_TITLE = (
+    "## Training speed per head kind on a CPU with AVX-512-bf16 but no AMX (AMD EPYC, bf16-mixed)"
+)
+TRAIN_SPEED_AVX512BF16_SNAPSHOT = "train_speed_avx512bf16.json"
 BATCH_TITLE = "## Throughput against batch size (`methods=batch batch_sizes=[1,2,4,8,16]`)"
 BATCH_RUN = "batch"
 BATCH_SNAPSHOT = "batch.json"

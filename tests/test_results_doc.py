@@ -294,25 +294,30 @@ def test_a_decoder_bench_on_a_bf16_cpu_gets_its_own_snapshot_and_keeps_the_avx2_
     )
 
 
-def test_training_speed_on_a_bf16_cpu_gets_its_own_snapshot_and_keeps_the_fp32_one(results, tmp_path):
-    def checkout(commit: str, fast_bf16: bool, eagle: float, tmp_name: str) -> Path:
-        machine = {"name": "cpu", "cpu_flags": ["avx2"], "fast_bf16": fast_bf16, "threads": 2, "torch": "2"}
+def test_training_speed_gets_one_snapshot_per_class_of_cpu(results, tmp_path):
+    """AVX2-only (fp32), AMX-bf16 and AVX-512-bf16 without AMX: no class replaces another's."""
+
+    def checkout(commit: str, flags: list[str], eagle: float, tmp_name: str) -> Path:
+        fast_bf16 = any(flag.endswith("bf16") for flag in flags)
+        machine = {"name": "cpu", "cpu_flags": flags, "fast_bf16": fast_bf16, "threads": 2, "torch": "2"}
         variant = {"train_tokens_per_s": eagle, "val_tokens_per_s": 2 * eagle}
         path = tmp_path / tmp_name
         write(path, {"label": commit, "commit": commit * 8, "machine": machine, "precision": "p",
                      "batch_tokens": 2048, "variants": {"eagle": variant}})  # fmt: skip
         return path
 
-    results.train_speed(
-        [checkout("a", False, 500, "a.json"), checkout("b", False, 600, "b.json")], None, None, ""
-    )
-    results.train_speed(
-        [checkout("a", True, 1400, "c.json"), checkout("b", True, 1500, "d.json")], None, None, ""
-    )
+    for flags, (old, new) in (
+        (["avx2"], (500, 600)),
+        (["avx2", "avx512f", "amx_bf16", "avx512_bf16"], (1400, 1500)),
+        (["avx2", "avx512f", "avx512_bf16"], (2000, 2500)),
+    ):
+        runs = [checkout("a", flags, old, f"a-{old}.json"), checkout("b", flags, new, f"b-{new}.json")]
+        results.train_speed(runs, None, None, "")
     results.doc()
     sections = results.sections(tmp_path / "docs" / "results.md")
     assert "| `eagle` | 500 | 600 | 1.20× |" in "\n".join(sections[results.TRAIN_SPEED_TITLE])
     assert "| `eagle` | 1400 | 1500 | 1.07× |" in "\n".join(sections[results.TRAIN_SPEED_BF16_TITLE])
+    assert "| `eagle` | 2000 | 2500 | 1.25× |" in "\n".join(sections[results.TRAIN_SPEED_AVX512BF16_TITLE])
 
 
 def test_a_regeneration_measurement_alone_joins_this_machines_training_speed_snapshot(
