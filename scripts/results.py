@@ -887,6 +887,12 @@ def doc(
             "python scripts/results.py --stages decoder doc --decoder-checkpoint <head>, on a CPU with AMX",
         ),
         (
+            DECODER_AVX512BF16_TITLE,
+            lambda: decoder_section(DECODER_AVX512BF16_SNAPSHOT),
+            "python scripts/results.py --stages decoder doc --decoder-checkpoint <head>, on a CPU with"
+            " AVX-512-bf16 but no AMX",
+        ),
+        (
             MIXTURE_TITLE,
             mixture_section,
             "python scripts/results.py --stages mixture doc --mixture-checkpoint <head>",
@@ -1483,6 +1489,8 @@ GPU_TITLE = "## On one GPU: the quickstart, regeneration and the plain step (a l
 # the same bench on a CPU with native bf16 (AMX / AVX-512-bf16): its own snapshot and section
 DECODER_BF16_TITLE = "## The decoder on a CPU with native bf16 (AMX-bf16)"
 DECODER_BF16_SNAPSHOT = "decoder_bf16.json"
+DECODER_AVX512BF16_TITLE = "## The decoder on a CPU with AVX-512-bf16 but no AMX (AMD EPYC)"
+DECODER_AVX512BF16_SNAPSHOT = "decoder_avx512bf16.json"
 DECODER_GPU_TITLE = "## The decoder on one GPU: CUDA graphs (a lent H100, second session)"
 DECODER_GPU_SNAPSHOT = "decoder_gpu.json"
 DECODER_ROUNDS_TITLE = "## The decoder on one GPU: greedy rounds on the device (a lent H100, third session)"

@@ -292,6 +292,12 @@ def test_a_decoder_bench_on_a_bf16_cpu_gets_its_own_snapshot_and_keeps_the_avx2_
     assert "| plain | 32.00 |" in "\n".join(
         results.sections(tmp_path / "docs" / "results.md")[results.DECODER_BF16_TITLE]
     )
+    epyc = {**amx, "name": "AMD EPYC", "cpu_flags": ["avx512f", "avx512_bf16"]}  # bf16, no AMX
+    write(bench, report(epyc, 47.0))
+    results.doc()
+    sections = results.sections(tmp_path / "docs" / "results.md")
+    assert "| plain | 47.00 |" in "\n".join(sections[results.DECODER_AVX512BF16_TITLE])
+    assert "| plain | 32.00 |" in "\n".join(sections[results.DECODER_BF16_TITLE])
 
 
 def test_training_speed_gets_one_snapshot_per_class_of_cpu(results, tmp_path):
