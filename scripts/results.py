@@ -1092,7 +1092,8 @@ def machine_snapshot(stem: str, hardware: dict) -> str:
     snapshot per class of machine, because the issues' goals differ by class (with AMX a tree
     verification is nearly free and training runs bf16-mixed; on an AVX2-only CPU a verify costs a
     step per few nodes and training runs fp32; an AMD EPYC with AVX-512-bf16 but no AMX trains
-    bf16-mixed, decodes one token 2× faster than the AMX Xeon and verifies a 60-node tree slower)
+    bf16-mixed, decodes one token 2× faster than the AMX Xeon but verifies a 60-node tree in 2.3
+    of its plain steps)
     and one machine's run must not replace another's. ``<stem>.json`` on an AVX2-only CPU,
     ``<stem>_bf16.json`` on a CPU with AMX-bf16, ``<stem>_avx512bf16.json`` on one with native
     bf16 but no AMX, ``<stem>_<device>.json`` on an accelerator (the lent-GPU sessions' snapshots
