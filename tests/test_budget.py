@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specdraft.data.chat import TokenizedConversation
+from specdraft.data.features import length_batches
 from specdraft.train import budget
 from specdraft.train.budget import BudgetError, BudgetRules, ProbeSettings, Throughput, TrainShape, make_plan
 
@@ -234,4 +235,24 @@ def test_the_cache_probe_takes_the_writers_fixed_cost_out_of_its_rate(monkeypatc
     samples = [TokenizedConversation(str(i), [0] * 300, [1] * 300) for i in range(40)]
     settings = ProbeSettings(regen_new_tokens=2, cache_tokens=3000, train_steps=3)
     rate = budget._probe_cache(None, samples, None, 1024, tmp_path / "features", settings)
-    assert rate == pytest.approx(1000.0)  # not 3000 tokens / 4.5 s = 667
+    # 1,000 positions/s (not 3,000 / 4.5 s = 667), at a stage's padding (equal lengths: none here)
+    assert rate == pytest.approx(1000.0 / budget.CACHE_STAGE_PADDING)
+
+
+def test_the_cache_probe_times_padded_positions_not_tokens(monkeypatch, tmp_path):
+    """The target computes every position of a length bucket: the probe's few buckets are padded
+    far more than a stage's hundreds, so its tokens/s would understate the stage's."""
+    now = [0.0]
+    monkeypatch.setattr(budget.time, "perf_counter", lambda: now[0])
+
+    def write_cache(target, samples, out_dir, *args, batch_tokens, **kwargs):  # 1 ms per position
+        lengths = [len(s.input_ids) for s in samples]
+        batches = length_batches(lengths, batch_tokens)
+        now[0] += 0.001 * sum(len(rows) * max(lengths[i] for i in rows) for rows in batches)
+
+    monkeypatch.setattr(budget, "write_cache", write_cache)
+    lengths = [500 if i % 3 == 0 else 60 for i in range(60)]  # long and short in the same buckets
+    samples = [TokenizedConversation(str(i), [0] * n, [1] * n) for i, n in enumerate(lengths)]
+    settings = ProbeSettings(regen_new_tokens=2, cache_tokens=4000, train_steps=3)
+    rate = budget._probe_cache(None, samples, None, 2048, tmp_path / "features", settings)
+    assert rate == pytest.approx(1000.0 / budget.CACHE_STAGE_PADDING)

@@ -42,7 +42,7 @@ from omegaconf import DictConfig
 from specdraft.data.cache import StoredFields, write_cache
 from specdraft.data.chat import TokenizedConversation, tokenize_conversations
 from specdraft.data.conversations import Conversation, split_conversations
-from specdraft.data.features import pad_token_id
+from specdraft.data.features import length_batches, pad_token_id
 from specdraft.data.generate import greedy_generate
 from specdraft.data.hardware import resolve_precision
 from specdraft.data.packed_linear import pack_linear_weights
@@ -62,6 +62,10 @@ PROBE_VAL_BATCHES = 2
 PROBE_WARMUP_TOKENS = 8  # prompt tokens per row of the regeneration probe's warm-up
 PROBE_PREFILL_PROMPTS = 8  # prompts whose prefill the regeneration probe times, one at a time
 PROBE_CACHE_FIXED_SHARE = 0.5  # above this share of the probe's write, its fixed cost is not taken out
+# Positions a cache stage computes per token: its hundreds of conversations fill length buckets
+# closely (80,105 positions for 71,639 tokens: 250 of SmolLM2's own answers at 8k-token batches),
+# where the probe's ~8k tokens fall into two or three buckets padded ×1.5–1.6.
+CACHE_STAGE_PADDING = 1.12
 EVAL_PROBE_PAST = 256  # tokens before the eval probe's forwards: a prompt and part of an answer
 EVAL_PROBE_REPEATS = 3  # forwards timed per node count after a warm-up (the median counts)
 
@@ -529,17 +533,28 @@ def _probe_cache(
     out_dir: Path,
     settings: ProbeSettings,
 ) -> float:
-    """Tokens per second of specdraft-cache's own writer over ~``cache_tokens`` tokens, less its
-    fixed cost per cache (planning, the shard's file, its hash), which a single sample measures:
-    a cache stage pays it once, the probe's 8k tokens would pay it per 8k (on an AMX Xeon the
-    writer ran at 1,150 tokens/s over 8k tokens, 1,390 over 33k, ~1,660 in the quickstart's
-    300k-token stage). The cache written is what :func:`_probe_training` trains on."""
+    """Tokens per second of a cache stage, from specdraft-cache's own writer over ~``cache_tokens``
+    tokens. Two things differ between the probe's few batches and a stage's hundreds:
+    * the writer's fixed cost per cache (planning, the shard's file, its hash), which a single
+      sample measures: a stage pays it once, the probe's 8k tokens would pay it per 8k;
+    * padding: the target computes every position of a length bucket, and the probe's few
+      buckets are padded ×1.5–1.6 where a stage's are ×:data:`CACHE_STAGE_PADDING`. Per padded
+      position the two agreed (AMD EPYC, bf16: 1,346 and 1,320 per second), per token they did not
+      (846 and 1,180; on an AMX Xeon 1,150 tokens/s over 8k tokens, ~1,660 in a 300k-token stage).
+    So the probe times padded positions and converts them at the stage's padding. The cache
+    written is what :func:`_probe_training` trains on."""
     chosen, tokens = [], 0
     for sample in samples:
         if tokens >= settings.cache_tokens:
             break
         chosen.append(sample)
         tokens += len(sample.input_ids)
+
+    def positions(part: list[TokenizedConversation]) -> int:  # what the writer's batches compute
+        lengths = [len(sample.input_ids) for sample in part]
+        return sum(
+            len(rows) * max(lengths[i] for i in rows) for rows in length_batches(lengths, batch_tokens)
+        )
 
     def seconds_to_write(part: list[TokenizedConversation], where: Path) -> float:
         started = time.perf_counter()
@@ -549,8 +564,10 @@ def _probe_cache(
     fixed_s = seconds_to_write(chosen[:1], out_dir.with_name(out_dir.name + "-fixed-cost"))
     total_s = seconds_to_write(chosen, out_dir)
     if len(chosen) < 2 or fixed_s > PROBE_CACHE_FIXED_SHARE * total_s:  # a difference too noisy to trust
-        return tokens / total_s
-    return (tokens - len(chosen[0].input_ids)) / (total_s - fixed_s)
+        positions_per_s = positions(chosen) / total_s
+    else:
+        positions_per_s = (positions(chosen) - positions(chosen[:1])) / (total_s - fixed_s)
+    return positions_per_s / CACHE_STAGE_PADDING
 
 
 class _StepClock(L.Callback):
