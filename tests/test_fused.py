@@ -86,63 +86,40 @@ def random_problem(seed: int, steps: int, n: int, reduced: bool, unlabelled_ever
     )  # fmt: skip
 
 
+def loss_inputs(problem: SimpleNamespace, step_weights: list[float], weights: LossWeights) -> tuple:
+    """``reference`` / ``fused_vocab_losses``' arguments after the draft and target projections."""
+    return (
+        problem.valid, step_weights, weights, problem.vocab, problem.t2d_index, problem.topk_ids,
+        problem.topk_probs, problem.labels,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("reduced", [False, True])
 @pytest.mark.parametrize("chunk_size", [3, 64])
 def test_fused_equals_reference(reduced, chunk_size):
     problem = random_problem(0, steps=3, n=20, reduced=reduced, unlabelled_every=5)
-    hidden, weight, target_hidden, target_weight = (
-        problem.hidden, problem.weight, problem.target_hidden, problem.target_weight
-    )  # fmt: skip
-    valid, vocab, t2d_index, labels = problem.valid, problem.vocab, problem.t2d_index, problem.labels
-    topk_ids, topk_probs = problem.topk_ids, problem.topk_probs
+    hidden, weight = problem.hidden, problem.weight
+    projections = (hidden, weight, problem.target_hidden, problem.target_weight)
     weights = LossWeights(soft_ce=0.3, forward_kl=0.2, topk=1.5, topk_k=K, ce=0.7)
-    step_weights = [1.0, 0.5, 0.25]
+    inputs = loss_inputs(problem, [1.0, 0.5, 0.25], weights)
 
-    expected, values, matches = reference(
-        hidden,
-        weight,
-        target_hidden,
-        target_weight,
-        valid,
-        step_weights,
-        weights,
-        vocab,
-        t2d_index,
-        topk_ids,
-        topk_probs,
-        labels,
-    )
+    expected, values, matches = reference(*projections, *inputs)
     expected_grads = torch.autograd.grad(expected, [hidden, weight])
-    out = fused_vocab_losses(
-        hidden,
-        weight,
-        target_hidden,
-        target_weight,
-        valid,
-        step_weights,
-        weights,
-        vocab,
-        t2d_index,
-        topk_ids,
-        topk_probs,
-        labels,
-        chunk_size=chunk_size,
-    )
+    out = fused_vocab_losses(*projections, *inputs, chunk_size=chunk_size)
     grads = torch.autograd.grad(out.loss * 2.0, [hidden, weight])  # the upstream gradient is applied
     torch.testing.assert_close(out.loss.double(), expected.double(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(
         out.terms.double(), torch.tensor(values, dtype=torch.float64), rtol=1e-5, atol=1e-6
     )
     assert out.matches.tolist() == matches
-    assert out.counts.tolist() == valid.sum(-1).tolist()
+    assert out.counts.tolist() == problem.valid.sum(-1).tolist()
     for got, want in zip(grads, expected_grads, strict=True):
         # losses.py computes its softmaxes in fp32: agreement to fp32 rounding.
         torch.testing.assert_close(got, 2.0 * want, rtol=1e-5, atol=1e-6)
     # The target's argmax given (its cached top-1) instead of computed: the same result.
     given = fused_vocab_losses(
-        hidden, weight, target_hidden, target_weight, valid, step_weights, weights, vocab, t2d_index,
-        topk_ids, topk_probs, labels, chunk_size=chunk_size, target_argmax=topk_ids[:, 0],
-    )  # fmt: skip
+        *projections, *inputs, chunk_size=chunk_size, target_argmax=problem.topk_ids[:, 0]
+    )
     torch.testing.assert_close(given.loss, out.loss)
     assert given.matches.tolist() == matches
 
@@ -153,19 +130,14 @@ def test_sparse_targets_alone_never_read_the_target_distribution(reduced):
     gradients of the reference, and the target's hidden states are never projected (NaN there
     changes nothing)."""
     problem = random_problem(1, steps=2, n=17, reduced=reduced, unlabelled_every=4)
-    hidden, weight, target_hidden, target_weight = (
-        problem.hidden, problem.weight, problem.target_hidden, problem.target_weight
-    )  # fmt: skip
-    valid, vocab, t2d_index, labels = problem.valid, problem.vocab, problem.t2d_index, problem.labels
-    topk_ids, topk_probs = problem.topk_ids, problem.topk_probs
+    hidden, weight, target_hidden = problem.hidden, problem.weight, problem.target_hidden
     weights = LossWeights(soft_ce=0.0, topk=0.02, topk_k=K, ce=0.5)
-    step_weights = [1.0, 0.7]
-    inputs = (valid, step_weights, weights, vocab, t2d_index, topk_ids, topk_probs, labels)
-    expected, values, matches = reference(hidden, weight, target_hidden, target_weight, *inputs)
+    inputs = loss_inputs(problem, [1.0, 0.7], weights)
+    expected, values, matches = reference(hidden, weight, target_hidden, problem.target_weight, *inputs)
     expected_grads = torch.autograd.grad(expected, [hidden, weight])
     out = fused_vocab_losses(
-        hidden, weight, torch.full_like(target_hidden, float("nan")), target_weight, *inputs,
-        chunk_size=5, target_argmax=topk_ids[:, 0],
+        hidden, weight, torch.full_like(target_hidden, float("nan")), problem.target_weight, *inputs,
+        chunk_size=5, target_argmax=problem.topk_ids[:, 0],
     )  # fmt: skip
     grads = torch.autograd.grad(out.loss, [hidden, weight])
     torch.testing.assert_close(out.loss.double(), expected.double(), rtol=1e-6, atol=1e-6)
