@@ -103,6 +103,12 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-padprobe-epyc": (
+        "qs-padprobe-epyc",
+        "make run (fresh clone of ba16eed: install + specdraft-quickstart, budget_minutes=45; the "
+        "defaults of qs-epyc-bf16, the cache probe timing padded positions) on an AMD EPYC with "
+        "AVX-512-bf16 but no AMX",
+    ),
     "qs-epyc-bf16": (
         "qs-epyc-bf16",
         "make run (fresh clone of 12c8e88: install + specdraft-quickstart, budget_minutes=45; the "
@@ -251,6 +257,23 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-padprobe-epyc": (
+        "2026-11-26, `time make run` in a fresh clone of commit ba16eed, the first job of a session, "
+        "alone on the machine (the same class of CPU as run qs-epyc-bf16, a day later): 43:50 wall in "
+        "all, of which the quickstart 43:05 of its 45-minute budget. The plan: 1,921 conversations "
+        "(1,681 answered, 240 dropped as too long; qs-epyc-bf16's probe planned 1,483), 3,638 "
+        "training steps probed at 0.311 s (13,154 positions/s), a 4.3-minute eval box. Caching now "
+        "ran 1.13× faster than its probe (6:25 against an ETA of 7:14; qs-epyc-bf16: 1.75×), so the "
+        "stages before training finished 1:31 ahead and training was resized to 3,930 steps (ETA "
+        "20:49). It trained at ~0.41 s a step, so its deadline resized it to 3,048 steps: 20:40 of "
+        "fit; its final weights were the best. Regeneration ran at 506 tokens/s, plain decoding in "
+        "the eval at 44.8 tokens/s; the eval took 3:17 of its box. Against qs-epyc-bf16 (fewer "
+        "steps, 1.3× the answers): held-out simulated τ 2.336 against 2.197 (each on its own "
+        "held-out split), 1.95 / 2.19 / 2.33 at steps 785 / 1,571 / 2,357 against 1.84 / 2.06 / 2.17 "
+        "at 782 / 1,565 / 2,348, while its training batches' acc_1 ended lower (0.80 against 0.82): "
+        "at 26 passes over the data (qs-epyc-bf16: 36) a conversation bought more than a step. "
+        "Outputs copied from that clone's run `quickstart` under this run name."
+    ),
     "qs-epyc-bf16": (
         "2026-11-26, `time make run` in a fresh clone of commit 12c8e88, the first job of a "
         "session (beside it only the main checkout's install in its first minutes and a 10 Hz py-spy "
