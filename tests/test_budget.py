@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from specdraft.data.chat import TokenizedConversation
+from specdraft.data.conversations import Conversation, Message
 from specdraft.data.features import length_batches
+from specdraft.data.regen import GenerationSettings, TargetResponder
 from specdraft.train import budget
 from specdraft.train.budget import BudgetError, BudgetRules, ProbeSettings, Throughput, TrainShape, make_plan
 
@@ -256,3 +258,20 @@ def test_the_cache_probe_times_padded_positions_not_tokens(monkeypatch, tmp_path
     settings = ProbeSettings(regen_new_tokens=2, cache_tokens=4000, train_steps=3)
     rate = budget._probe_cache(None, samples, None, 2048, tmp_path / "features", settings)
     assert rate == pytest.approx(1000.0 / budget.CACHE_STAGE_PADDING)
+
+
+def test_the_probe_samples_only_the_first_turns_regeneration_answers(tiny_target):
+    """A self-distilled cache holds only the turns whose prompt leaves room for an answer: the
+    probe's cache and training steps time those, not the long prompts regeneration skips."""
+    settings = GenerationSettings(max_new_tokens=8)
+    responder = TargetResponder(tiny_target, settings, max_prompt_tokens=128)
+
+    def turn(name: str, words: int) -> Conversation:
+        question = " ".join(["word"] * words)
+        return Conversation(name, (Message("user", question), Message("assistant", "an answer")))
+
+    turns = [turn("short-0", 3), turn("long", 200), turn("short-1", 5), turn("short-2", 4)]
+    assert responder.prompt_ids([{"role": "user", "content": " ".join(["word"] * 200)}]) is None
+    assert [c.id for c in budget.answered_turns(turns, responder, limit=2)] == ["short-0", "short-1"]
+    everything = budget.answered_turns(turns, responder, limit=10)
+    assert [c.id for c in everything] == ["short-0", "short-1", "short-2"]
