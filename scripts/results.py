@@ -103,6 +103,11 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-share60-epyc": (
+        "qs-share60-epyc",
+        "make install-assets && specdraft-quickstart budget.data_share=0.6 (fresh clone of ba16eed, "
+        "budget_minutes=45) on an AMD EPYC with AVX-512-bf16 but no AMX",
+    ),
     "qs-padprobe-epyc": (
         "qs-padprobe-epyc",
         "make run (fresh clone of ba16eed: install + specdraft-quickstart, budget_minutes=45; the "
@@ -257,6 +262,24 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-share60-epyc": (
+        "2026-11-26, `time (make install-assets && .venv/bin/specdraft-quickstart "
+        "budget.data_share=0.6)` in a fresh clone of commit ba16eed, right after run "
+        "qs-padprobe-epyc, alone on the machine: 43:34 wall in all, of which the quickstart 42:38 of "
+        "its 45-minute budget. Meant to give data 0.6 of the time, it probed the machine in a slow "
+        "spell (regeneration 423 tokens/s, features 881, training 10,990 positions/s, against 482, "
+        "1,033 and 13,154 an hour earlier), so it planned 1,941 conversations (1,701 answered; "
+        "qs-padprobe-epyc: 1,921) and 2,371 steps. The stages then ran at the earlier pace "
+        "(regeneration 12:09 against 13:53, caching 6:23 against 8:35), finished 3:52 ahead, and "
+        "training was resized to 2,993 steps, then by its deadline to 2,726 at ~0.42 s (18:56 of "
+        "fit). So the data is qs-padprobe-epyc's (448,017 tokens against 447,816) and the split "
+        "about 0.5: a replicate of that run with 10 % fewer steps. Held-out simulated τ 1.92 / 2.19 / "
+        "2.29 / 2.37 at steps 598 / 1,197 / 1,796 / 2,395 and 2.338 for the final weights (the step-"
+        "2,395 checkpoint exported); τ 2.45 / 2.19 / 1.95 against qs-padprobe-epyc's 2.53 / 2.26 / "
+        "2.02 (16 MT-bench first turns: ±0.08 between two heads of one recipe), plain decoding "
+        "49.3 tokens/s (44.8 there), so 0.74× / 1.06× / 1.26×. Outputs copied from that clone's run "
+        "`quickstart` under this run name."
+    ),
     "qs-padprobe-epyc": (
         "2026-11-26, `time make run` in a fresh clone of commit ba16eed, the first job of a session, "
         "alone on the machine (the same class of CPU as run qs-epyc-bf16, a day later): 43:50 wall in "
