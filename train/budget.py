@@ -65,9 +65,9 @@ PROBE_CACHE_FIXED_SHARE = 0.5  # above this share of the probe's write, its fixe
 # Positions a cache stage computes per token: its hundreds of conversations fill length buckets
 # closely (80,105 positions for 71,639 tokens: 250 of SmolLM2's own answers at 8k-token batches;
 # 1.04–1.09 per shard of a 45-minute quickstart's 1,200–1,600), where the probe's ~8k tokens fall
-# into two or three buckets padded ×1.5–1.6. Kept at 250 answers': with it the probe read within
-# −15 % to +8 % of the stage's tokens/s (AMD EPYC with AVX-512-bf16, _probe_cache), as close as
-# that machine's own pace held from one hour to the next.
+# into two or three buckets padded ×1.5–1.6. Kept at 250 answers' 1.12: with it the probe of
+# answered turns read 1,265–1,273 tokens/s where two stages that day wrote ~1,180 (AMD EPYC with
+# AVX-512-bf16), nearer than that machine's own pace held from one hour to the next (±12 %).
 CACHE_STAGE_PADDING = 1.12
 EVAL_PROBE_PAST = 256  # tokens before the eval probe's forwards: a prompt and part of an answer
 EVAL_PROBE_REPEATS = 3  # forwards timed per node count after a warm-up (the median counts)
