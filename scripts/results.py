@@ -103,6 +103,11 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-answered-epyc": (
+        "qs-answered-epyc",
+        "make run (fresh clone of d6e6022: install + specdraft-quickstart, budget_minutes=45; the "
+        "probe sampling the first turns regeneration answers) on an AMD EPYC with AVX-512-bf16 but no AMX",
+    ),
     "qs-share60-epyc": (
         "qs-share60-epyc",
         "make install-assets && specdraft-quickstart budget.data_share=0.6 (fresh clone of ba16eed, "
@@ -262,6 +267,18 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-answered-epyc": (
+        "2026-11-27, `time make run` in a fresh clone of commit d6e6022, alone on the machine after "
+        "runs qs-padprobe-epyc and qs-share60-epyc: 43:44 wall in all, of which the quickstart 42:49 "
+        "of its 45-minute budget. The plan: 1,945 conversations (1,705 answered), 2,745 steps "
+        "probed at 9,954 positions/s (0.41 s a step, the pace the stages before had trained at), "
+        "features at 1,175 tokens/s; caching took 5:53 against its ETA of 6:28 (1.10×), the stages "
+        "before training finished 1:13 ahead (2,923 steps), and it trained at ~0.385 s a step, so "
+        "its deadline lengthened it to 3,178 (20:25 of fit). Held-out simulated τ 1.87 / 2.17 / "
+        "2.30 / 2.36 / 2.39 at steps 584 / 1,169 / 1,754 / 2,339 / 2,924 (exported) and 2.33 for "
+        "the final weights; plain decoding 52.8 tokens/s. Outputs copied from that clone's run "
+        "`quickstart` under this run name."
+    ),
     "qs-share60-epyc": (
         "2026-11-26, `time (make install-assets && .venv/bin/specdraft-quickstart "
         "budget.data_share=0.6)` in a fresh clone of commit ba16eed, right after run "
