@@ -30,16 +30,32 @@ class VocabProjection:
     draft_vocab: Tensor | None = None
     target_to_draft: Tensor | None = None
 
+    def steps(self, selected: slice) -> VocabProjection:
+        """The projection of the draft steps ``selected`` only (rows of ``inputs``, and of
+        ``weight`` when it has one matrix per step)."""
+        weight = self.weight[selected] if self.weight.dim() == 3 else self.weight
+        return VocabProjection(self.inputs[selected], weight, self.draft_vocab, self.target_to_draft)
+
     def restricted_to(self, vocab: Tensor, rows: Tensor | None = None) -> VocabProjection:
-        """The same projection over the target ids ``vocab`` only (a reduced training vocabulary
-        for a head that drafts over the whole target vocabulary). ``rows``: ``weight``'s rows of
-        ``vocab`` when the caller keeps them (of a frozen weight), instead of selecting them."""
-        if self.draft_vocab is not None:
-            raise ValueError("this head already drafts over its own reduced vocabulary")
+        """The same projection over the target ids ``vocab`` only: a reduced training vocabulary
+        for a head that drafts over the whole target vocabulary, or a part of a head's own
+        reduced one (all of ``vocab`` inside it). ``rows``: ``weight``'s rows of ``vocab`` when
+        the caller keeps them (of a frozen weight), instead of selecting them."""
         vocab = vocab.to(self.weight.device)
-        index = torch.full((self.weight.shape[-2],), -1, dtype=torch.long, device=vocab.device)
+        if self.draft_vocab is None:
+            target_size, own_rows = self.weight.shape[-2], vocab
+        else:
+            target_size = self.target_to_draft.numel()
+            own_rows = self.target_to_draft.to(vocab.device)[vocab]
+            outside = int((own_rows < 0).sum())
+            if outside:
+                raise ValueError(
+                    f"{outside} of the {vocab.numel()} tokens lie outside the head's own "
+                    f"{self.weight.shape[-2]}-token draft vocabulary"
+                )
+        index = torch.full((target_size,), -1, dtype=torch.long, device=vocab.device)
         index[vocab] = torch.arange(vocab.numel(), device=vocab.device)
-        weight = self.weight[..., vocab, :] if rows is None else rows
+        weight = self.weight[..., own_rows, :] if rows is None else rows
         return VocabProjection(self.inputs, weight, vocab, index)
 
 

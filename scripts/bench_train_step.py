@@ -48,6 +48,10 @@ VARIANTS = {
     "medusa_v8k": ["experiment=medusa", "loss.draft_vocab_size=8192"],
     "eagle3_v8k": ["experiment=eagle3", "head.config.draft_vocab_size=8192"],
     "hass_eagle3_v8k": ["experiment=hass_eagle3", "head.config.draft_vocab_size=8192"],
+    # Rollout steps j >= 2 over the 8,192 most frequent tokens, step 1 over the whole vocabulary.
+    "hass_r8k": ["experiment=hass", "loss.rollout_vocab_size=8192"],
+    "eagle3_r8k": ["experiment=eagle3", "loss.rollout_vocab_size=8192"],
+    "hass_eagle3_r8k": ["experiment=hass_eagle3", "loss.rollout_vocab_size=8192"],
 }
 BASE_VARIANTS = ["eagle", "hass", "eagle3", "hass_eagle3", "medusa"]
 

@@ -2545,7 +2545,7 @@ def regen_speed(logs: list[Path], commits: list[str], command: str) -> None:
 def train_speed(
     checkouts: list[Path],
     regen_logs: list[Path] | None,
-    vocab: Path | None,
+    vocab: list[Path] | None,
     command: str,
     repeats: list[Path] | None = None,
 ) -> None:
@@ -2563,8 +2563,8 @@ def train_speed(
         snapshot["regen"] = regen_measurement(regen_logs, [runs[0]["commit"], runs[-1]["commit"]], command)
     elif "regen" in previous:
         snapshot["regen"] = previous["regen"]
-    if vocab is not None:
-        snapshot["vocab_acceptance"] = read_json(vocab)
+    if vocab:
+        snapshot["vocab_acceptance"] = [read_json(path) for path in vocab]
     elif "vocab_acceptance" in previous:
         snapshot["vocab_acceptance"] = previous["vocab_acceptance"]
     if repeats:  # more bench_train_step.py outputs of the same checkouts
@@ -2590,15 +2590,17 @@ def train_speed_section(name: str = TRAIN_SPEED_SNAPSHOT) -> list[str] | None:
         "Median tokens/s of whole optimiser steps (objective, backward, AdamW) and of validation",
         "steps (the objective at `train=False`, 4 rollout steps, under `no_grad`). `_v8k`: a reduced",
         "training vocabulary of 8,192 tokens (`loss.draft_vocab_size=8192`; EAGLE-3:",
-        f"`head.config.draft_vocab_size=8192`); × compares {commits[-1]} with {commits[0]}, a `_v8k`",
-        f"variant with the full-vocabulary one of {commits[0]}.",
+        "`head.config.draft_vocab_size=8192`); `_r8k`: rollout steps j >= 2 over those 8,192 tokens,",
+        "step 1 over the head's own vocabulary (`loss.rollout_vocab_size=8192`); × compares",
+        f"{commits[-1]} with {commits[0]}, a `_v8k` or `_r8k` variant with the full-vocabulary one of",
+        f"{commits[0]}.",
         "",
         "| variant | " + " | ".join(f"train {c}" for c in commits) + " | × "
         f"| validation {commits[0]} | validation {commits[-1]} | × |",
         "|---|" + "---|" * (len(runs) + 4),
     ]
     for name, entry in last["variants"].items():
-        reference = first["variants"].get(name.removesuffix("_v8k"))
+        reference = first["variants"].get(name.removesuffix("_v8k").removesuffix("_r8k"))
         cells = [f"`{name}`"]
         for run in runs:
             rate = run["variants"].get(name, {}).get("train_tokens_per_s")
@@ -2615,12 +2617,13 @@ def train_speed_section(name: str = TRAIN_SPEED_SNAPSHOT) -> list[str] | None:
         rates = {name: entry["train_tokens_per_s"] for name, entry in run["variants"].items()}
         found = []
         for kind in ("hass", "eagle3", "hass_eagle3", "medusa"):
-            for suffix in ("", "_v8k"):
-                if f"{kind}{suffix}" in rates and f"eagle{suffix}" in rates:
-                    found.append(f"{kind}{suffix} {rates[kind + suffix] / rates['eagle' + suffix]:.2f}×")
+            # An _r8k variant's step 1 runs over the whole vocabulary, as EAGLE's one step does.
+            for suffix, eagle in (("", "eagle"), ("_v8k", "eagle_v8k"), ("_r8k", "eagle")):
+                if f"{kind}{suffix}" in rates and eagle in rates:
+                    found.append(f"{kind}{suffix} {rates[kind + suffix] / rates[eagle]:.2f}×")
         return ", ".join(found)
 
-    lines += ["", "Training tokens/s relative to EAGLE's (same vocabulary):"]
+    lines += ["", "Training tokens/s relative to EAGLE's (same vocabulary for step 1):"]
     lines += [f"- {run['commit'][:7]}: {ratios(run)}" for run in runs]
     repeats = snapshot.get("repeats")
     if repeats:
@@ -2644,8 +2647,8 @@ def train_speed_section(name: str = TRAIN_SPEED_SNAPSHOT) -> list[str] | None:
             f"{regen['after']['tokens']} tokens; commits "
             f"{' → '.join(c[:7] for c in regen.get('commits', []))}; `{regen.get('command', '')}`).",
         ]
-    vocab = snapshot.get("vocab_acceptance")
-    if vocab:
+    measurements = snapshot.get("vocab_acceptance") or []
+    for vocab in [measurements] if isinstance(measurements, dict) else measurements:
         lines += [
             "",
             f"What a reduced training vocabulary costs in acceptance ({vocab['description']}): held-out",
@@ -2768,7 +2771,12 @@ def main() -> None:
     parser.add_argument("--train-speed", nargs="+", type=Path, help="bench_train_step.py JSON, oldest first")
     parser.add_argument("--regen-logs", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
     parser.add_argument("--regen-commits", nargs=2, metavar=("OLD", "NEW"), help="stage regen_speed")
-    parser.add_argument("--vocab-acceptance", type=Path, help="the reduced-vocabulary acceptance JSON")
+    parser.add_argument(
+        "--vocab-acceptance",
+        nargs="+",
+        type=Path,
+        help="reduced-vocabulary acceptance JSON (vocab_acceptance.py)",
+    )
     parser.add_argument("--train-speed-command", default="", help="how the measurements were made")
     parser.add_argument("--train-speed-repeats", nargs="*", type=Path, help="more runs, either checkout")
     parser.add_argument("--gpu-log", type=Path, help="stage gpu_tests: a `pytest -m gpu -v` log")

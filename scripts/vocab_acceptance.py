@@ -1,11 +1,13 @@
 """What a reduced training vocabulary costs in acceptance, as JSON.
 
 Trains one experiment twice on the same cached features for the same steps (same seed, same
-batches): over the whole vocabulary, and with ``loss.draft_vocab_size=N``. Then evaluates both
-heads on the held-out cache twice: drafting over the whole vocabulary, and over the N most frequent
-assistant tokens (what the decoder's shortlist of the same size drafts over).
+batches): over the whole vocabulary, and with ``loss.<setting>=N`` (``draft_vocab_size``: every
+step over the N most frequent assistant tokens; ``rollout_vocab_size``: rollout steps j >= 2 only).
+Then evaluates both heads on the held-out cache twice: drafting over the whole vocabulary, and over
+the N most frequent assistant tokens (what the decoder's shortlist of the same size drafts over).
 
     python scripts/vocab_acceptance.py --train-cache DIR --val-cache DIR --steps 100 --out vocab.json
+    python scripts/vocab_acceptance.py … --experiment hass --setting rollout_vocab_size
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ def main() -> None:
     parser.add_argument("--experiment", default="eagle")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument(
+        "--setting", choices=["draft_vocab_size", "rollout_vocab_size"], default="draft_vocab_size"
+    )
     parser.add_argument("--batch-tokens", type=int, default=2048)
     parser.add_argument("--run-dir", type=Path, default=Path("outputs/vocab_acceptance"))
     args = parser.parse_args()
@@ -61,13 +66,15 @@ def main() -> None:
         "logger=none",
         "callbacks.progress.refresh_rate=0",
     ]
-    variants = {"full vocabulary": [], f"{args.vocab} tokens": [f"loss.draft_vocab_size={args.vocab}"]}
+    reduced = f"{args.vocab} tokens"
+    trained = {"full vocabulary": [], reduced: [f"loss.{args.setting}={args.vocab}"]}
     configs, heads = {}, {}
-    for name, extra in variants.items():
-        run_dir = args.run_dir / f"{args.experiment}-{name.split()[0]}"
+    for name, extra in trained.items():
+        run_dir = args.run_dir / f"{args.experiment}-{args.setting}-{name.split()[0]}"
         configs[name] = compose_train(run_dir, [*common, *extra])
         summary = train(configs[name])
         heads[name] = {
+            "overrides": extra,
             "steps": summary["global_step"],
             "train_tokens_per_s": summary["train_tokens_per_s"],
             "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
@@ -78,7 +85,11 @@ def main() -> None:
     datamodule = instantiate(cfg.datamodule)(target=target)
     datamodule.setup("fit")
     batches = [datamodule.features_for(batch, training=False) for batch in datamodule.val_dataloader()]
-    objectives = {name: build_objective(configs[name].loss, target, datamodule) for name in variants}
+    drafting = {
+        "full vocabulary": cfg,
+        reduced: compose_train(args.run_dir, [*common, f"loss.draft_vocab_size={args.vocab}"]),
+    }
+    objectives = {name: build_objective(config.loss, target, datamodule) for name, config in drafting.items()}
     for name, entry in heads.items():
         head = load_head(entry["checkpoint"], target, torch.float32).eval()
         entry["evaluations"] = {}
@@ -96,7 +107,8 @@ def main() -> None:
             print(name, "drafting over", objective_name, accuracy, simulated_tau(accuracy), flush=True)
     result = {
         "description": (
-            f"experiment={args.experiment}, {args.steps} steps × {args.batch_tokens}-token batches, "
+            f"experiment={args.experiment}, loss.{args.setting}={args.vocab} against none, "
+            f"{args.steps} steps × {args.batch_tokens}-token batches, "
             f"train cache {Path(args.train_cache).name}, held-out cache {Path(args.val_cache).name}"
         ),
         "heads": heads,

@@ -133,7 +133,8 @@ def test_cached_and_recomputed_topk_agree(tiny_target, features):
 def test_reduced_training_vocabulary(tiny_target, features, kind):
     """draft_vocab restricts the vocabulary terms of heads that draft over the target vocabulary:
     the whole vocabulary as a "reduction" changes nothing; a real one trains only where the
-    target's argmax lies inside it. EAGLE-3 has its own reduced vocabulary and refuses one."""
+    target's argmax lies inside it. EAGLE-3 has its own reduced vocabulary and refuses one that
+    does not lie inside it."""
     weights = LossWeights(soft_ce=1.0, ce=0.5, topk=0.5, topk_k=3)
     rollout = RolloutConfig(steps=2, step_weight_base=0.5)
     results = []
@@ -150,5 +151,88 @@ def test_reduced_training_vocabulary(tiny_target, features, kind):
         torch.testing.assert_close(got, want)
     assert half.counts == full.counts and torch.isfinite(half.loss)
     assert half.loss.item() != pytest.approx(full.loss.item())
-    with pytest.raises(ValueError, match=r"loss\.draft_vocab_size: this head already drafts"):
+    with pytest.raises(
+        ValueError, match=r"loss\.draft_vocab_size: 10 of the 10 tokens lie outside the head's own 200"
+    ):
         DraftObjective(weights, rollout, draft_vocab=torch.arange(10))(build("eagle3", tiny_target), features)
+
+
+def own_vocabulary(head) -> torch.Tensor:
+    """The target ids a head drafts over."""
+    projection = head.vocab_projection(torch.zeros(1, 1, head.spec.hidden_size))
+    if projection.draft_vocab is None:
+        return torch.arange(head.spec.vocab_size)
+    return projection.draft_vocab
+
+
+def loss_and_grads(kind, target, features, objective, train=True):
+    torch.manual_seed(0)
+    head = build(kind, target)
+    out = objective(head, features, train=train)
+    if not train:
+        return out, []
+    out.loss.backward()
+    return out, [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in head.parameters()]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_rollout_vocabulary_trains_later_steps_over_it(tiny_target, features, kind):
+    """rollout_vocab: step 1 as without it, steps j >= 2 as over draft_vocab = rollout_vocab —
+    losses, per-step terms and gradients (linear in the steps: the reference is the full run's
+    step 1 plus the reduced run's steps 2..n) — and validation as without it."""
+    weights = LossWeights(feature=1.0, soft_ce=1.0, ce=0.5, topk=0.5, topk_k=3)
+    three, one = RolloutConfig(steps=3, step_weight_base=0.5), RolloutConfig(steps=1)
+    vocab = own_vocabulary(build(kind, tiny_target))[::2]
+    split, split_grads = loss_and_grads(
+        kind, tiny_target, features, DraftObjective(weights, three, rollout_vocab=vocab)
+    )
+    first, first_grads = loss_and_grads(kind, tiny_target, features, DraftObjective(weights, one))
+    reduced, reduced_grads = loss_and_grads(
+        kind, tiny_target, features, DraftObjective(weights, three, draft_vocab=vocab)
+    )
+    reduced_first, reduced_first_grads = loss_and_grads(
+        kind, tiny_target, features, DraftObjective(weights, one, draft_vocab=vocab)
+    )
+    torch.testing.assert_close(split.loss, first.loss + reduced.loss - reduced_first.loss)
+    for got, *parts in zip(split_grads, first_grads, reduced_grads, reduced_first_grads, strict=True):
+        torch.testing.assert_close(got, parts[0] + parts[1] - parts[2])
+    for name, value in split.terms.items():
+        want = first.terms[name] if name.startswith("step1/") else reduced.terms[name]
+        torch.testing.assert_close(value, want, msg=name)
+    assert split.counts == reduced.counts and split.matches[1:] == reduced.matches[1:]
+    assert split.matches[0] == first.matches[0]
+
+    # Validation measures every step over the training vocabulary.
+    objective = DraftObjective(weights, three, eval_steps=4, rollout_vocab=vocab)
+    measured, _ = loss_and_grads(kind, tiny_target, features, objective, train=False)
+    plain, _ = loss_and_grads(kind, tiny_target, features, DraftObjective(weights, three, 4), train=False)
+    assert measured.matches == plain.matches and measured.counts == plain.counts
+    torch.testing.assert_close(measured.loss, plain.loss)
+
+
+def test_rollout_vocabulary_of_medusa_heads(tiny_target, features):
+    """Medusa's heads 2..k are its "later steps": trained over rollout_vocab, head 1 not."""
+    weights = LossWeights(ce=1.0, topk=0.5, topk_k=3)
+    vocab = torch.arange(0, tiny_target.spec.vocab_size, 2)
+    rollout = RolloutConfig(steps=1, step_weight_base=0.8)
+    split, _ = loss_and_grads(
+        "medusa", tiny_target, features, DraftObjective(weights, rollout, rollout_vocab=vocab)
+    )
+    full, _ = loss_and_grads("medusa", tiny_target, features, DraftObjective(weights, rollout))
+    reduced, _ = loss_and_grads(
+        "medusa", tiny_target, features, DraftObjective(weights, rollout, draft_vocab=vocab)
+    )
+    assert len(split.counts) == 3
+    for name, value in split.terms.items():
+        torch.testing.assert_close(
+            value, (full if name.startswith("step1/") else reduced).terms[name], msg=name
+        )
+    assert split.terms["step2/ce"].item() != pytest.approx(full.terms["step2/ce"].item())
+
+
+def test_rollout_vocabulary_outside_a_heads_own_is_refused(tiny_target, features):
+    objective = DraftObjective(
+        LossWeights(soft_ce=1.0), RolloutConfig(steps=2), rollout_vocab=torch.arange(10)
+    )
+    with pytest.raises(ValueError, match=r"loss\.rollout_vocab_size: 10 of the 10 tokens lie outside"):
+        objective(build("eagle3", tiny_target), features)

@@ -104,6 +104,27 @@ def test_eagle3_reduced_draft_vocab_from_assistant_tokens(tmp_path):
         assert token in draft_ids, text
 
 
+def test_a_rollout_vocabulary_trains_within_the_training_one(tmp_path):
+    """loss.rollout_vocab_size end to end (the objective's golden tests: test_losses.py): HASS over
+    the whole vocabulary, EAGLE-3 inside its own reduced one; larger than the training vocabulary
+    is refused before anything trains."""
+    summary = train(
+        compose_train(tmp_path / "hass", "experiment=hass", "debug=smoke", "loss.rollout_vocab_size=64")
+    )
+    assert summary["global_step"] > 0
+    eagle3 = [
+        "experiment=eagle3",
+        "debug=smoke",
+        "head.config.draft_vocab_size=64",
+        "loss.rollout_vocab_size=32",
+    ]
+    assert train(compose_train(tmp_path / "eagle3", *eagle3))["global_step"] > 0
+    larger = ["experiment=hass", "debug=smoke", "loss.draft_vocab_size=32", "loss.rollout_vocab_size=64"]
+    with pytest.raises(ValueError, match=r"loss\.rollout_vocab_size=64 exceeds loss\.draft_vocab_size=32"):
+        train(compose_train(tmp_path / "larger", *larger))
+    assert not (tmp_path / "larger" / "checkpoints").exists()
+
+
 def test_resume_continues_exactly(tmp_path):
     """Stopping after 3 steps and re-running to 6 gives the same weights as 6 steps in one go:
     same step, same batches (mid-epoch), same noise, same optimiser and schedule state."""
@@ -447,10 +468,10 @@ def test_a_reduced_training_vocab_asks_for_the_cached_top1_only_where_every_cach
     for name, top_k in (("with", 1), ("without", 0)):
         write_cache(tiny_target, [sample], tmp_path / name, StoredFields((), top_k), {"d": 1}, progress=False)
 
-    def asked_top_k(train, val) -> int:
+    def asked_top_k(train, val, setting="draft_vocab_size") -> int:
         cfg = OmegaConf.create(
             {
-                "loss": {"draft_vocab_size": 100},
+                "loss": {setting: 100},
                 "datamodule": {"mode": "cached", "top_k": 0, "train_cache": train, "val_cache": val},
             }
         )
@@ -461,3 +482,4 @@ def test_a_reduced_training_vocab_asks_for_the_cached_top1_only_where_every_cach
     assert asked_top_k(with_top1, with_top1) == 1
     assert asked_top_k([with_top1, without], with_top1) == 0  # the argmax comes from the full logits
     assert asked_top_k(with_top1, [without]) == 0
+    assert asked_top_k(with_top1, with_top1, "rollout_vocab_size") == 1

@@ -190,22 +190,25 @@ def check_features_for_head(head: DraftHead, datamodule: FeatureDataModule) -> N
 
 def features_for_objective(cfg: DictConfig) -> None:
     """Ask the datamodule for what the objective needs beyond the experiment's own settings: a
-    reduced training vocabulary trains only where the target's argmax lies inside it, and its
-    top-1 delivered with the features spares a pass over the full target logits per batch — when
-    the feature caches store it (a cache written with top_k=0 does not: the argmax is then
-    computed from the full logits)."""
-    if not cfg.loss.get("draft_vocab_size") or cfg.datamodule.top_k:
+    reduced training (or rollout) vocabulary trains only where the target's argmax lies inside
+    it, and its top-1 delivered with the features spares a pass over the full target logits per
+    batch — when the feature caches store it (a cache written with top_k=0 does not: the argmax
+    is then computed from the full logits)."""
+    reduced = [name for name in ("draft_vocab_size", "rollout_vocab_size") if cfg.loss.get(name)]
+    if not reduced or cfg.datamodule.top_k:
         return
+    setting = f"loss.{reduced[0]}"
     if cfg.datamodule.mode == "cached":
         lacking = [d for d in cache_directories(cfg.datamodule) if stored_top_k(d) == 0]
         if lacking:
             log.info(
-                "loss.draft_vocab_size: %s stores no top-k, so the target's argmax is computed from its "
-                "full logits (slower: a cache written with top_k=1 spares it)",
+                "%s: %s stores no top-k, so the target's argmax is computed from its full logits"
+                " (slower: a cache written with top_k=1 spares it)",
+                setting,
                 lacking[0],
             )
             return
-    log.info("loss.draft_vocab_size: the features carry the target's top-1 (datamodule.top_k=1)")
+    log.info("%s: the features carry the target's top-1 (datamodule.top_k=1)", setting)
     with open_dict(cfg):
         cfg.datamodule.top_k = 1
 
@@ -224,22 +227,36 @@ def build_objective(
     datamodule: FeatureDataModule,
     train_counts: torch.Tensor | None = None,
 ) -> DraftObjective:
-    """The objective of ``loss_cfg``; a reduced training vocabulary (``draft_vocab_size``) is the
-    most frequent assistant tokens of the training split (``train_counts``, V; default: counted
-    from the datamodule's), chosen as EAGLE-3's is."""
-    draft_vocab = None
-    size = loss_cfg.get("draft_vocab_size")
-    if size is not None and size < target.spec.vocab_size:
-        counts = datamodule.assistant_token_counts() if train_counts is None else train_counts
-        d2t, _ = draft_vocab_from_counts(counts, size)
-        draft_vocab = d2t + torch.arange(size)
+    """The objective of ``loss_cfg``; a reduced training vocabulary (``draft_vocab_size``) and
+    the rollout steps' (``rollout_vocab_size``) are the most frequent assistant tokens of the
+    training split (``train_counts``, V; default: counted from the datamodule's), chosen as
+    EAGLE-3's is, so each smaller one lies inside the larger."""
+    sizes = {name: loss_cfg.get(name) for name in ("draft_vocab_size", "rollout_vocab_size")}
+    if None not in sizes.values() and sizes["rollout_vocab_size"] > sizes["draft_vocab_size"]:
+        raise ValueError(
+            f"loss.rollout_vocab_size={sizes['rollout_vocab_size']} exceeds loss.draft_vocab_size="
+            f"{sizes['draft_vocab_size']}: the rollout steps' vocabulary is a part of the training one"
+        )
+    reduced = {
+        name: size for name, size in sizes.items() if size is not None and size < target.spec.vocab_size
+    }
+    if reduced and train_counts is None:
+        train_counts = datamodule.assistant_token_counts()
+    vocab = {name: most_frequent(train_counts, size) for name, size in reduced.items()}
     return DraftObjective(
         LossWeights(**loss_cfg.weights),
         RolloutConfig(**loss_cfg.rollout),
         loss_cfg.eval_steps,
         chunk_size=loss_cfg.get("chunk_size", DEFAULT_CHUNK_SIZE),
-        draft_vocab=draft_vocab,
+        draft_vocab=vocab.get("draft_vocab_size"),
+        rollout_vocab=vocab.get("rollout_vocab_size"),
     )
+
+
+def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The target ids of the ``size`` most frequent tokens by ``counts`` (V), in id order."""
+    d2t, _ = draft_vocab_from_counts(counts, size)
+    return d2t + torch.arange(size)
 
 
 def count(module: torch.nn.Module) -> int:

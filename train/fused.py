@@ -50,6 +50,15 @@ class FusedOutput:
     matches: Tensor
     counts: Tensor
 
+    def followed_by(self, later: FusedOutput) -> FusedOutput:
+        """These steps and then ``later``'s, as one output (their losses summed)."""
+        return FusedOutput(
+            self.loss + later.loss,
+            torch.cat([self.terms, later.terms]),
+            torch.cat([self.matches, later.matches]),
+            torch.cat([self.counts, later.counts]),
+        )
+
 
 def fused_vocab_losses(
     draft_hidden: Tensor,

@@ -80,11 +80,18 @@ class DraftObjective:
     ``rollout.steps`` (steps beyond the trained ones are measured, not added to the loss);
     a head with parallel steps (Medusa's heads) always evaluates all of them.
     chunk_size: positions per vocabulary chunk.
-    draft_vocab: target ids of a reduced TRAINING vocabulary for heads that draft over the whole
-    target vocabulary (EAGLE-1/2, Medusa): the vocabulary-sized terms and acc_j are computed over
-    it (the target's distribution renormalised over it, positions whose target argmax lies
-    outside it not trained on, as EAGLE-3 does), which divides their cost by V / V'; the head
-    itself, its export and the feature loss are unchanged. None: the head's own vocabulary.
+    draft_vocab: target ids of a reduced TRAINING vocabulary (for a head with its own reduced one,
+    a part of it): the vocabulary-sized terms and acc_j are computed over it (the target's
+    distribution renormalised over it, positions whose target argmax lies outside it not trained
+    on, as EAGLE-3 does), which divides their cost by V / V'; the head itself, its export and the
+    feature loss are unchanged. None: the head's own vocabulary.
+    rollout_vocab: target ids of a smaller vocabulary still that training steps j >= 2 (HASS
+    alignment, EAGLE-3's training-time test, Medusa heads 2..k) compute those terms over, as
+    ``draft_vocab`` does for all of them; step 1 keeps ``draft_vocab``, and validation measures
+    every step over ``draft_vocab``. A rollout step costs a vocabulary projection and its
+    gradient as step 1 does, so with a 49k vocabulary this cuts HASS's 7 vocabulary-sized
+    matmuls a batch (the target's + 2 per step) toward EAGLE's 3. The decoder's default
+    shortlist drafts an EAGLE-1/2 head over the most frequent tokens at every depth anyway.
     """
 
     def __init__(
@@ -94,14 +101,16 @@ class DraftObjective:
         eval_steps: int = 4,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         draft_vocab: Tensor | None = None,
+        rollout_vocab: Tensor | None = None,
     ) -> None:
         if chunk_size < 1:
             raise ValueError(f"loss chunk_size must be >= 1, got {chunk_size}")
         self.weights, self.rollout = weights, rollout
         self.eval_steps, self.chunk_size = max(eval_steps, rollout.steps), chunk_size
-        self.draft_vocab = draft_vocab
+        self.draft_vocab, self.rollout_vocab = draft_vocab, rollout_vocab
         self.active = [name for name in TERMS if getattr(weights, name) > 0]
-        self._frozen: FrozenRows | None = None  # the target lm_head's rows, kept across steps
+        # The target lm_head's rows over each vocabulary in use, kept across batches.
+        self._frozen: dict[str, FrozenRows] = {}
 
     def __call__(self, head: DraftHead, batch: FeatureBatch, train: bool = True) -> ObjectiveOutput:
         """The loss and per-step accuracies of ``head`` on ``batch``. An autoregressive head rolls
@@ -117,7 +126,25 @@ class DraftObjective:
         if self.weights.ce > 0:  # x_{q+1}, −1 where it is padding
             labels = shift_left(batch.input_ids)[b, q]
             labels = labels.masked_fill(~shift_left(batch.attention_mask)[b, q].bool(), -1)
-        fused = self._fused(head, head.vocab_projection(outputs), batch, b, q, valid, step_weights, labels)
+        projection = head.vocab_projection(outputs)
+        # Steps computed over the training vocabulary: all of them, or step 1 only.
+        split = 1 if train and self.rollout_vocab is not None else steps
+        fused = self._fused(
+            head, projection.steps(slice(0, split)), batch, b, q, valid[:split], step_weights[:split], labels
+        )
+        if split < steps:
+            later = self._fused(
+                head,
+                projection.steps(slice(split, None)),
+                batch,
+                b,
+                q,
+                valid[split:],
+                step_weights[split:],
+                labels,
+                rollout=True,
+            )
+            fused = fused.followed_by(later)
         features_loss: list[Tensor | None] = [None] * steps
         if predictions.predicts_features and self.weights.feature > 0:
             target_hidden = batch.hidden[b, q]
@@ -150,21 +177,23 @@ class DraftObjective:
         valid: Tensor,
         step_weights: list[float],
         labels: Tensor | None,
+        rollout: bool = False,
     ):
-        """The vocabulary-sized terms of ``projection`` against the target at positions (b, q):
-        its distribution from ``batch.hidden[b, q]``, its top-K and (cached) argmax there."""
-        frozen = self._frozen_rows(head, projection, batch)
-        if frozen is not None and self.draft_vocab is None:
+        """The vocabulary-sized terms of ``projection`` (over the training vocabulary, or with
+        ``rollout`` the rollout one) against the target at positions (b, q): its distribution
+        from ``batch.hidden[b, q]``, its top-K and (cached) argmax there."""
+        vocab = self.rollout_vocab if rollout else self.draft_vocab
+        frozen = self._frozen_rows(head, projection, batch, vocab, "rollout" if rollout else "train")
+        if frozen is not None and vocab is None:
             projection = VocabProjection(projection.inputs, frozen.rows)
-        if self.draft_vocab is not None:
+        if vocab is not None:
             try:
-                projection = projection.restricted_to(
-                    self.draft_vocab, None if frozen is None else frozen.rows
-                )
+                projection = projection.restricted_to(vocab, None if frozen is None else frozen.rows)
             except ValueError as error:
+                setting = "loss.rollout_vocab_size" if rollout else "loss.draft_vocab_size"
                 raise ValueError(
-                    f"loss.draft_vocab_size: {error} ({type(head).__name__}; set its head config's"
-                    " draft_vocab_size instead)"
+                    f"{setting}: {error} ({type(head).__name__}: make it at most the head's own"
+                    " draft_vocab_size)"
                 ) from None
         target_hidden = batch.hidden[b, q]
         cached_argmax = batch.topk_ids[b, q, 0] if batch.topk_ids is not None else None
@@ -185,18 +214,27 @@ class DraftObjective:
             frozen,
         )
 
-    def _frozen_rows(self, head: DraftHead, projection: VocabProjection, batch: FeatureBatch):
-        """The target lm_head's rows over the training vocabulary, prepared once and kept while
-        the lm_head and the dtypes stay the same, when the head drafts through it (EAGLE-1/2) and
-        its outputs and the target's features share a dtype; else None."""
+    def _frozen_rows(
+        self,
+        head: DraftHead,
+        projection: VocabProjection,
+        batch: FeatureBatch,
+        vocab: Tensor | None,
+        role: str,
+    ):
+        """The target lm_head's rows over ``vocab``, prepared once (per ``role``: the training or
+        the rollout vocabulary) and kept while the lm_head and the dtypes stay the same, when the
+        head drafts through it (EAGLE-1/2) and its outputs and the target's features share a
+        dtype; else None."""
         weight, dtype = projection.weight, projection.inputs.dtype
         if weight is not head.target_lm_head or weight.requires_grad or projection.draft_vocab is not None:
             return None
         if batch.hidden.dtype != dtype:
             return None
-        if self._frozen is None or not self._frozen.prepared_from(weight, self.draft_vocab, dtype):
-            self._frozen = FrozenRows(weight, self.draft_vocab, dtype)
-        return self._frozen
+        frozen = self._frozen.get(role)
+        if frozen is None or not frozen.prepared_from(weight, vocab, dtype):
+            frozen = self._frozen[role] = FrozenRows(weight, vocab, dtype)
+        return frozen
 
     def _output(
         self, fused, feature_terms: list[Tensor | None], step_weights: list[float]
