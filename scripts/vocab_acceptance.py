@@ -22,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import open_dict
 
+from specdraft.data.features import FeatureBatch
 from specdraft.eval.load import load_head
 from specdraft.train.cli import build_objective, train
 from specdraft.train.objective import simulated_tau
@@ -36,6 +37,16 @@ def compose_train(run_dir: Path, overrides: list[str]):
     with open_dict(cfg):
         del cfg.hydra
     return cfg
+
+
+def in_fp32(batch: FeatureBatch) -> FeatureBatch:
+    """``batch`` with its floating-point features in fp32."""
+    return FeatureBatch(
+        **{
+            k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+            for k, v in vars(batch).items()
+        }
+    )
 
 
 def main() -> None:
@@ -84,7 +95,10 @@ def main() -> None:
     target = instantiate(cfg.target)
     datamodule = instantiate(cfg.datamodule)(target=target)
     datamodule.setup("fit")
-    batches = [datamodule.features_for(batch, training=False) for batch in datamodule.val_dataloader()]
+    # Both heads evaluated in fp32, whatever dtype the features were cached in.
+    batches = [
+        in_fp32(datamodule.features_for(batch, training=False)) for batch in datamodule.val_dataloader()
+    ]
     drafting = {
         "full vocabulary": cfg,
         reduced: compose_train(args.run_dir, [*common, f"loss.draft_vocab_size={args.vocab}"]),
