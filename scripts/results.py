@@ -2655,14 +2655,16 @@ def train_speed_section(name: str = TRAIN_SPEED_SNAPSHOT) -> list[str] | None:
             "top-1 agreement per draft step and simulated τ, each head evaluated drafting over the",
             "full vocabulary and over the 8,192-token one (the decoder's default shortlist).",
             "",
-            "| trained with | steps | drafting over | acc_1..4 | simulated τ |",
-            "|---|---|---|---|---|",
+            "| trained with | steps | training s | drafting over | acc_1..4 | simulated τ |",
+            "|---|---|---|---|---|---|",
         ]
         for head, entry in vocab["heads"].items():
+            fit = f"{entry['fit_seconds']:.0f}" if "fit_seconds" in entry else "–"
             for objective, result in entry["evaluations"].items():
                 accuracy = ", ".join(f"{a:.3f}" for a in result["acc"])
                 lines.append(
-                    f"| {head} | {entry['steps']} | {objective} | {accuracy} | {result['sim_tau']:.3f} |"
+                    f"| {head} | {entry['steps']} | {fit} | {objective} | {accuracy} "
+                    f"| {result['sim_tau']:.3f} |"
                 )
     lines.append("")
     return lines

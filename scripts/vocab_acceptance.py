@@ -8,6 +8,9 @@ the N most frequent assistant tokens (what the decoder's shortlist of the same s
 
     python scripts/vocab_acceptance.py --train-cache DIR --val-cache DIR --steps 100 --out vocab.json
     python scripts/vocab_acceptance.py … --experiment hass --setting rollout_vocab_size
+    python scripts/vocab_acceptance.py … --steps 400 --reduced-steps 400 640   # + as long as the full one
+
+A finished run is not trained again: a later call with more ``--reduced-steps`` trains only those.
 """
 
 from __future__ import annotations
@@ -62,6 +65,13 @@ def main() -> None:
     parser.add_argument(
         "--setting", choices=["draft_vocab_size", "rollout_vocab_size"], default="draft_vocab_size"
     )
+    parser.add_argument(
+        "--reduced-steps",
+        type=int,
+        nargs="+",
+        help="steps of the reduced variant, one head each (default: --steps); e.g. the steps it makes in "
+        "the time the full one takes",
+    )
     parser.add_argument("--batch-tokens", type=int, default=2048)
     parser.add_argument("--run-dir", type=Path, default=Path("outputs/vocab_acceptance"))
     args = parser.parse_args()
@@ -72,22 +82,26 @@ def main() -> None:
         f"datamodule.train_cache={args.train_cache}",
         f"datamodule.val_cache={args.val_cache}",
         f"datamodule.max_batch_tokens={args.batch_tokens}",
-        f"trainer.max_steps={args.steps}",
-        f"trainer.val_check_interval={args.steps}",
         "logger=none",
         "callbacks.progress.refresh_rate=0",
     ]
     reduced = f"{args.vocab} tokens"
-    trained = {"full vocabulary": [], reduced: [f"loss.{args.setting}={args.vocab}"]}
+    reduced_steps = args.reduced_steps or [args.steps]
+    trained = {"full vocabulary": ("full", args.steps, [])}
+    for steps in reduced_steps:
+        name = reduced if reduced_steps == [args.steps] else f"{reduced}, {steps} steps"
+        trained[name] = (str(args.vocab), steps, [f"loss.{args.setting}={args.vocab}"])
     configs, heads = {}, {}
-    for name, extra in trained.items():
-        run_dir = args.run_dir / f"{args.experiment}-{args.setting}-{name.split()[0]}"
-        configs[name] = compose_train(run_dir, [*common, *extra])
+    for name, (label, steps, extra) in trained.items():
+        run_dir = args.run_dir / f"{args.experiment}-{args.setting}-{label}-{steps}"
+        limits = [f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}"]
+        configs[name] = compose_train(run_dir, [*common, *limits, *extra])
         summary = train(configs[name])
         heads[name] = {
             "overrides": extra,
             "steps": summary["global_step"],
             "train_tokens_per_s": summary["train_tokens_per_s"],
+            "fit_seconds": summary["fit_seconds"],
             "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
         }
 
@@ -122,7 +136,8 @@ def main() -> None:
     result = {
         "description": (
             f"experiment={args.experiment}, loss.{args.setting}={args.vocab} against none, "
-            f"{args.steps} steps × {args.batch_tokens}-token batches, "
+            f"{args.steps} steps (the reduced variant: {', '.join(map(str, reduced_steps))}) × "
+            f"{args.batch_tokens}-token batches, "
             f"train cache {Path(args.train_cache).name}, held-out cache {Path(args.val_cache).name}"
         ),
         "heads": heads,
