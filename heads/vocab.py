@@ -39,8 +39,9 @@ class VocabProjection:
     def restricted_to(self, vocab: Tensor, rows: Tensor | None = None) -> VocabProjection:
         """The same projection over the target ids ``vocab`` only: a reduced training vocabulary
         for a head that drafts over the whole target vocabulary, or a part of a head's own
-        reduced one (all of ``vocab`` inside it). ``rows``: ``weight``'s rows of ``vocab`` when
-        the caller keeps them (of a frozen weight), instead of selecting them."""
+        reduced one; one that holds all of a head's own vocabulary changes nothing (returns
+        ``self``). ``rows``: ``weight``'s rows of ``vocab`` when the caller keeps them (of a
+        frozen weight), instead of selecting them."""
         vocab = vocab.to(self.weight.device)
         if self.draft_vocab is None:
             target_size, own_rows = self.weight.shape[-2], vocab
@@ -48,10 +49,13 @@ class VocabProjection:
             target_size = self.target_to_draft.numel()
             own_rows = self.target_to_draft.to(vocab.device)[vocab]
             outside = int((own_rows < 0).sum())
+            if outside and int((own_rows >= 0).sum()) == self.draft_vocab.numel():
+                return self
             if outside:
                 raise ValueError(
                     f"{outside} of the {vocab.numel()} tokens lie outside the head's own "
-                    f"{self.weight.shape[-2]}-token draft vocabulary"
+                    f"{self.weight.shape[-2]}-token draft vocabulary, and they do not hold all of it: "
+                    "give a part of it, or all of it"
                 )
         index = torch.full((target_size,), -1, dtype=torch.long, device=vocab.device)
         index[vocab] = torch.arange(vocab.numel(), device=vocab.device)

@@ -33,25 +33,30 @@ from specdraft.train.cli import build_training_head
 from specdraft.train.losses import LossWeights
 from specdraft.train.objective import DraftObjective, RolloutConfig
 
+# ``++loss.rollout_vocab_size`` pins the rollout steps' vocabulary whatever an experiment's default
+# (and adds the key for checkouts older than it, which ignore it).
+FULL_ROLLOUT = "++loss.rollout_vocab_size=null"
+ROLLOUT_8K = "++loss.rollout_vocab_size=8192"
 VARIANTS = {
     "quickstart": ["experiment=quickstart"],  # EAGLE with the 8,192-token training vocabulary
     # ... distilling the target's whole distribution (soft CE) instead of its cached top-10
     "quickstart_softce": ["experiment=quickstart", "loss.weights.soft_ce=0.02", "loss.weights.topk=0"],
     "eagle": ["experiment=eagle"],
-    "hass": ["experiment=hass"],
-    "eagle3": ["experiment=eagle3"],
-    "hass_eagle3": ["experiment=hass_eagle3"],
+    "hass": ["experiment=hass", FULL_ROLLOUT],
+    "eagle3": ["experiment=eagle3", FULL_ROLLOUT],
+    "hass_eagle3": ["experiment=hass_eagle3", FULL_ROLLOUT],
     "medusa": ["experiment=medusa"],
     # Reduced training vocabularies (the decoder's default shortlist is 8,192 tokens too).
     "eagle_v8k": ["experiment=eagle", "loss.draft_vocab_size=8192"],
-    "hass_v8k": ["experiment=hass", "loss.draft_vocab_size=8192"],
+    "hass_v8k": ["experiment=hass", "loss.draft_vocab_size=8192", FULL_ROLLOUT],
     "medusa_v8k": ["experiment=medusa", "loss.draft_vocab_size=8192"],
-    "eagle3_v8k": ["experiment=eagle3", "head.config.draft_vocab_size=8192"],
-    "hass_eagle3_v8k": ["experiment=hass_eagle3", "head.config.draft_vocab_size=8192"],
-    # Rollout steps j >= 2 over the 8,192 most frequent tokens, step 1 over the whole vocabulary.
-    "hass_r8k": ["experiment=hass", "loss.rollout_vocab_size=8192"],
-    "eagle3_r8k": ["experiment=eagle3", "loss.rollout_vocab_size=8192"],
-    "hass_eagle3_r8k": ["experiment=hass_eagle3", "loss.rollout_vocab_size=8192"],
+    "eagle3_v8k": ["experiment=eagle3", "head.config.draft_vocab_size=8192", FULL_ROLLOUT],
+    "hass_eagle3_v8k": ["experiment=hass_eagle3", "head.config.draft_vocab_size=8192", FULL_ROLLOUT],
+    # Rollout steps j >= 2 over the 8,192 most frequent tokens, step 1 over the whole vocabulary
+    # (the defaults of experiments hass, eagle3 and hass_eagle3 since they exist).
+    "hass_r8k": ["experiment=hass", ROLLOUT_8K],
+    "eagle3_r8k": ["experiment=eagle3", ROLLOUT_8K],
+    "hass_eagle3_r8k": ["experiment=hass_eagle3", ROLLOUT_8K],
 }
 BASE_VARIANTS = ["eagle", "hass", "eagle3", "hass_eagle3", "medusa"]
 

@@ -230,9 +230,19 @@ def test_rollout_vocabulary_of_medusa_heads(tiny_target, features):
     assert split.terms["step2/ce"].item() != pytest.approx(full.terms["step2/ce"].item())
 
 
-def test_rollout_vocabulary_outside_a_heads_own_is_refused(tiny_target, features):
-    objective = DraftObjective(
-        LossWeights(soft_ce=1.0), RolloutConfig(steps=2), rollout_vocab=torch.arange(10)
+def test_a_rollout_vocabulary_holding_a_heads_own_changes_nothing_and_a_partial_one_is_refused(
+    tiny_target, features
+):
+    weights, rollout = LossWeights(soft_ce=1.0, topk=0.5, topk_k=3), RolloutConfig(steps=2)
+    own = own_vocabulary(build("eagle3", tiny_target))
+    larger = torch.cat([torch.arange(10), own])  # the head's 200 tokens and 10 it cannot draft
+    holding, _ = loss_and_grads(
+        "eagle3", tiny_target, features, DraftObjective(weights, rollout, rollout_vocab=larger)
     )
-    with pytest.raises(ValueError, match=r"loss\.rollout_vocab_size: 10 of the 10 tokens lie outside"):
+    plain, _ = loss_and_grads("eagle3", tiny_target, features, DraftObjective(weights, rollout))
+    torch.testing.assert_close(holding.loss, plain.loss)
+    assert holding.matches == plain.matches
+    partial = torch.cat([torch.arange(10), own[:50]])
+    objective = DraftObjective(weights, rollout, rollout_vocab=partial)
+    with pytest.raises(ValueError, match=r"loss\.rollout_vocab_size: 10 of the 60 tokens lie outside"):
         objective(build("eagle3", tiny_target), features)

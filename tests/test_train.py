@@ -468,13 +468,11 @@ def test_a_reduced_training_vocab_asks_for_the_cached_top1_only_where_every_cach
     for name, top_k in (("with", 1), ("without", 0)):
         write_cache(tiny_target, [sample], tmp_path / name, StoredFields((), top_k), {"d": 1}, progress=False)
 
-    def asked_top_k(train, val, setting="draft_vocab_size") -> int:
+    def asked_top_k(train, val, setting="loss.draft_vocab_size") -> int:
         cfg = OmegaConf.create(
-            {
-                "loss": {setting: 100},
-                "datamodule": {"mode": "cached", "top_k": 0, "train_cache": train, "val_cache": val},
-            }
+            {"loss": {}, "datamodule": {"mode": "cached", "top_k": 0, "train_cache": train, "val_cache": val}}
         )
+        OmegaConf.update(cfg, setting, 100)
         features_for_objective(cfg)
         return cfg.datamodule.top_k
 
@@ -482,4 +480,5 @@ def test_a_reduced_training_vocab_asks_for_the_cached_top1_only_where_every_cach
     assert asked_top_k(with_top1, with_top1) == 1
     assert asked_top_k([with_top1, without], with_top1) == 0  # the argmax comes from the full logits
     assert asked_top_k(with_top1, [without]) == 0
-    assert asked_top_k(with_top1, with_top1, "rollout_vocab_size") == 1
+    assert asked_top_k(with_top1, with_top1, "loss.rollout_vocab_size") == 1
+    assert asked_top_k(with_top1, with_top1, "head.config.draft_vocab_size") == 1  # EAGLE-3's own

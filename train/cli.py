@@ -190,14 +190,16 @@ def check_features_for_head(head: DraftHead, datamodule: FeatureDataModule) -> N
 
 def features_for_objective(cfg: DictConfig) -> None:
     """Ask the datamodule for what the objective needs beyond the experiment's own settings: a
-    reduced training (or rollout) vocabulary trains only where the target's argmax lies inside
-    it, and its top-1 delivered with the features spares a pass over the full target logits per
-    batch — when the feature caches store it (a cache written with top_k=0 does not: the argmax
-    is then computed from the full logits)."""
-    reduced = [name for name in ("draft_vocab_size", "rollout_vocab_size") if cfg.loss.get(name)]
+    reduced vocabulary (the training one, the rollout steps', or a head's own draft vocabulary)
+    trains only where the target's argmax lies inside it, and its top-1 delivered with the
+    features spares a pass over the full target logits per batch — when the feature caches
+    store it (a cache written with top_k=0 does not: the argmax is then computed from the full
+    logits)."""
+    settings = ("loss.draft_vocab_size", "loss.rollout_vocab_size", "head.config.draft_vocab_size")
+    reduced = [name for name in settings if OmegaConf.select(cfg, name, default=None)]
     if not reduced or cfg.datamodule.top_k:
         return
-    setting = f"loss.{reduced[0]}"
+    setting = reduced[0]
     if cfg.datamodule.mode == "cached":
         lacking = [d for d in cache_directories(cfg.datamodule) if stored_top_k(d) == 0]
         if lacking:
