@@ -2590,10 +2590,19 @@ def train_speed_section(name: str = TRAIN_SPEED_SNAPSHOT) -> list[str] | None:
         "Median tokens/s of whole optimiser steps (objective, backward, AdamW) and of validation",
         "steps (the objective at `train=False`, 4 rollout steps, under `no_grad`). `_v8k`: a reduced",
         "training vocabulary of 8,192 tokens (`loss.draft_vocab_size=8192`; EAGLE-3:",
-        "`head.config.draft_vocab_size=8192`); `_r8k`: rollout steps j >= 2 over those 8,192 tokens,",
-        "step 1 over the head's own vocabulary (`loss.rollout_vocab_size=8192`); × compares",
-        f"{commits[-1]} with {commits[0]}, a `_v8k` or `_r8k` variant with the full-vocabulary one of",
-        f"{commits[0]}.",
+        *(
+            [
+                "`head.config.draft_vocab_size=8192`); `_r8k`: rollout steps j >= 2 over those 8,192 tokens,",
+                "step 1 over the head's own vocabulary (`loss.rollout_vocab_size=8192`); × compares",
+                f"{commits[-1]} with {commits[0]}, a `_v8k` or `_r8k` variant with the full-vocabulary",
+                f"one of {commits[0]}.",
+            ]
+            if any(name.endswith("_r8k") for name in last["variants"])
+            else [
+                f"`head.config.draft_vocab_size=8192`); × compares {commits[-1]} with {commits[0]}, a `_v8k`",
+                f"variant with the full-vocabulary one of {commits[0]}.",
+            ]
+        ),
         "",
         "| variant | " + " | ".join(f"train {c}" for c in commits) + " | × "
         f"| validation {commits[0]} | validation {commits[-1]} | × |",
@@ -2629,8 +2638,8 @@ def train_speed_section(name: str = TRAIN_SPEED_SNAPSHOT) -> list[str] | None:
     if repeats:
         lines += [
             "",
-            "The same checkouts timed again in another process, after the others, to show this",
-            "machine's run-to-run spread (training tokens/s):",
+            "The newest checkout timed again in another process, to show this machine's run-to-run",
+            "spread (training tokens/s):",
         ]
         for run in repeats:
             rates = ", ".join(f"{n} {v['train_tokens_per_s']:.0f}" for n, v in run["variants"].items())

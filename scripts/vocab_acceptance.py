@@ -52,6 +52,11 @@ def in_fp32(batch: FeatureBatch) -> FeatureBatch:
     )
 
 
+def cache_name(path: str) -> str:
+    """A feature cache as its run and split (``regen-512/train``), without the machine's paths."""
+    return "/".join(Path(path).resolve().parts[-2:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -87,7 +92,8 @@ def main() -> None:
     ]
     reduced = f"{args.vocab} tokens"
     reduced_steps = args.reduced_steps or [args.steps]
-    trained = {"full vocabulary": ("full", args.steps, [])}
+    # The exact losses whatever the experiment's default (hass: rollout steps over 8,192 tokens).
+    trained = {"full vocabulary": ("full", args.steps, [f"loss.{args.setting}=null"])}
     for steps in reduced_steps:
         name = reduced if reduced_steps == [args.steps] else f"{reduced}, {steps} steps"
         trained[name] = (str(args.vocab), steps, [f"loss.{args.setting}={args.vocab}"])
@@ -138,7 +144,7 @@ def main() -> None:
             f"experiment={args.experiment}, loss.{args.setting}={args.vocab} against none, "
             f"{args.steps} steps (the reduced variant: {', '.join(map(str, reduced_steps))}) × "
             f"{args.batch_tokens}-token batches, "
-            f"train cache {Path(args.train_cache).name}, held-out cache {Path(args.val_cache).name}"
+            f"train cache {cache_name(args.train_cache)}, held-out cache {cache_name(args.val_cache)}"
         ),
         "heads": heads,
     }
