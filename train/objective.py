@@ -191,10 +191,7 @@ class DraftObjective:
                 projection = projection.restricted_to(vocab, None if frozen is None else frozen.rows)
             except ValueError as error:
                 setting = "loss.rollout_vocab_size" if rollout else "loss.draft_vocab_size"
-                raise ValueError(
-                    f"{setting}: {error} ({type(head).__name__}: make it at most the head's own"
-                    " draft_vocab_size)"
-                ) from None
+                raise ValueError(f"{setting}: {error} ({type(head).__name__})") from None
         target_hidden = batch.hidden[b, q]
         cached_argmax = batch.topk_ids[b, q, 0] if batch.topk_ids is not None else None
         return fused_vocab_losses(
