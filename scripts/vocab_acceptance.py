@@ -78,6 +78,7 @@ def main() -> None:
         "the time the full one takes",
     )
     parser.add_argument("--batch-tokens", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0, help="of both runs (init, batches, noise)")
     parser.add_argument("--run-dir", type=Path, default=Path("outputs/vocab_acceptance"))
     args = parser.parse_args()
 
@@ -88,6 +89,8 @@ def main() -> None:
         f"datamodule.val_cache={args.val_cache}",
         f"datamodule.max_batch_tokens={args.batch_tokens}",
         "logger=none",
+        f"seed={args.seed}",  # the head's initialisation
+        f"datamodule.seed={args.seed}",  # the batches' order and the feature noise
         "callbacks.progress.refresh_rate=0",
     ]
     reduced = f"{args.vocab} tokens"
@@ -99,7 +102,8 @@ def main() -> None:
         trained[name] = (str(args.vocab), steps, [f"loss.{args.setting}={args.vocab}"])
     configs, heads = {}, {}
     for name, (label, steps, extra) in trained.items():
-        run_dir = args.run_dir / f"{args.experiment}-{args.setting}-{label}-{steps}"
+        seeded = f"-seed{args.seed}" if args.seed else ""  # seed 0: the names of runs before --seed
+        run_dir = args.run_dir / f"{args.experiment}-{args.setting}-{label}-{steps}{seeded}"
         limits = [f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}"]
         configs[name] = compose_train(run_dir, [*common, *limits, *extra])
         summary = train(configs[name])
@@ -143,7 +147,7 @@ def main() -> None:
         "description": (
             f"experiment={args.experiment}, loss.{args.setting}={args.vocab} against none, "
             f"{args.steps} steps (the reduced variant: {', '.join(map(str, reduced_steps))}) × "
-            f"{args.batch_tokens}-token batches, "
+            f"{args.batch_tokens}-token batches, seed {args.seed}, "
             f"train cache {cache_name(args.train_cache)}, held-out cache {cache_name(args.val_cache)}"
         ),
         "heads": heads,
