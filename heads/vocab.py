@@ -36,27 +36,34 @@ class VocabProjection:
         weight = self.weight[selected] if self.weight.dim() == 3 else self.weight
         return VocabProjection(self.inputs[selected], weight, self.draft_vocab, self.target_to_draft)
 
+    def narrows(self, vocab: Tensor) -> bool:
+        """Whether :meth:`restricted_to` ``vocab`` leaves fewer tokens than this projection has."""
+        if self.draft_vocab is None:
+            return vocab.numel() < self.weight.shape[-2]
+        inside = self.target_to_draft.to(vocab.device)[vocab] >= 0
+        return int(inside.sum()) < self.draft_vocab.numel()
+
     def restricted_to(self, vocab: Tensor, rows: Tensor | None = None) -> VocabProjection:
         """The same projection over the target ids ``vocab`` only: a reduced training vocabulary
-        for a head that drafts over the whole target vocabulary, or a part of a head's own
-        reduced one; one that holds all of a head's own vocabulary changes nothing (returns
-        ``self``). ``rows``: ``weight``'s rows of ``vocab`` when the caller keeps them (of a
-        frozen weight), instead of selecting them."""
+        for a head that drafts over the whole target vocabulary; for a head with its own reduced
+        one, over the tokens of ``vocab`` inside it (``self`` when that is all of it: a head
+        warm-started from another run's vocabulary keeps training). ``rows``: ``weight``'s rows
+        of ``vocab`` when the caller keeps them (of a frozen weight), instead of selecting them."""
         vocab = vocab.to(self.weight.device)
         if self.draft_vocab is None:
             target_size, own_rows = self.weight.shape[-2], vocab
         else:
+            if not self.narrows(vocab):
+                return self
             target_size = self.target_to_draft.numel()
             own_rows = self.target_to_draft.to(vocab.device)[vocab]
-            outside = int((own_rows < 0).sum())
-            if outside and int((own_rows >= 0).sum()) == self.draft_vocab.numel():
-                return self
-            if outside:
+            inside = own_rows >= 0
+            if not bool(inside.any()):
                 raise ValueError(
-                    f"{outside} of the {vocab.numel()} tokens lie outside the head's own "
-                    f"{self.weight.shape[-2]}-token draft vocabulary, and they do not hold all of it: "
-                    "give a part of it, or all of it"
+                    f"none of its {vocab.numel()} tokens lies inside the head's own "
+                    f"{self.weight.shape[-2]}-token draft vocabulary"
                 )
+            vocab, own_rows = vocab[inside], own_rows[inside]
         index = torch.full((target_size,), -1, dtype=torch.long, device=vocab.device)
         index[vocab] = torch.arange(vocab.numel(), device=vocab.device)
         weight = self.weight[..., own_rows, :] if rows is None else rows

@@ -95,11 +95,13 @@ def main() -> None:
     ]
     reduced = f"{args.vocab} tokens"
     reduced_steps = args.reduced_steps or [args.steps]
-    # The exact losses whatever the experiment's default (hass: rollout steps over 8,192 tokens).
-    trained = {"full vocabulary": ("full", args.steps, [f"loss.{args.setting}=null"])}
+    # The exact losses whatever the experiment's defaults (hass: rollout steps over 8,192 tokens);
+    # the reduced variant changes only --setting.
+    exact = ["loss.draft_vocab_size=null", "loss.rollout_vocab_size=null"]
+    trained = {"full vocabulary": ("full", args.steps, exact)}
     for steps in reduced_steps:
         name = reduced if reduced_steps == [args.steps] else f"{reduced}, {steps} steps"
-        trained[name] = (str(args.vocab), steps, [f"loss.{args.setting}={args.vocab}"])
+        trained[name] = (str(args.vocab), steps, [*exact, f"loss.{args.setting}={args.vocab}"])
     configs, heads = {}, {}
     for name, (label, steps, extra) in trained.items():
         seeded = f"-seed{args.seed}" if args.seed else ""  # seed 0: the names of runs before --seed

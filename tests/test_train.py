@@ -106,8 +106,8 @@ def test_eagle3_reduced_draft_vocab_from_assistant_tokens(tmp_path):
 
 def test_a_rollout_vocabulary_trains_within_the_training_one(tmp_path):
     """loss.rollout_vocab_size end to end (the objective's golden tests: test_losses.py): HASS over
-    the whole vocabulary, EAGLE-3 inside its own reduced one; larger than the training vocabulary
-    is refused before anything trains."""
+    the whole vocabulary, EAGLE-3 inside its own reduced one; one no smaller than the training
+    vocabulary changes nothing."""
     summary = train(
         compose_train(tmp_path / "hass", "experiment=hass", "debug=smoke", "loss.rollout_vocab_size=64")
     )
@@ -120,9 +120,26 @@ def test_a_rollout_vocabulary_trains_within_the_training_one(tmp_path):
     ]
     assert train(compose_train(tmp_path / "eagle3", *eagle3))["global_step"] > 0
     larger = ["experiment=hass", "debug=smoke", "loss.draft_vocab_size=32", "loss.rollout_vocab_size=64"]
-    with pytest.raises(ValueError, match=r"loss\.rollout_vocab_size=64 exceeds loss\.draft_vocab_size=32"):
-        train(compose_train(tmp_path / "larger", *larger))
-    assert not (tmp_path / "larger" / "checkpoints").exists()
+    assert train(compose_train(tmp_path / "larger", *larger))["global_step"] > 0
+
+    from omegaconf import OmegaConf
+
+    from specdraft.data.tiny import tiny_random_target
+    from specdraft.train.cli import build_objective
+
+    target = tiny_random_target()
+    counts = torch.arange(target.spec.vocab_size).float()
+
+    def objective(**sizes):
+        loss = OmegaConf.create({"weights": {}, "rollout": {}, "eval_steps": 4, **sizes})
+        return build_objective(loss, target, None, counts)
+
+    assert objective(draft_vocab_size=32, rollout_vocab_size=64).rollout_vocab is None
+    assert objective(draft_vocab_size=32, rollout_vocab_size=32).rollout_vocab is None
+    assert objective(rollout_vocab_size=64).rollout_vocab.tolist() == list(
+        range(target.spec.vocab_size - 64, target.spec.vocab_size)
+    )
+    assert objective(draft_vocab_size=64, rollout_vocab_size=16).rollout_vocab.numel() == 16
 
 
 def test_resume_continues_exactly(tmp_path):
@@ -465,12 +482,15 @@ def test_a_reduced_training_vocab_asks_for_the_cached_top1_only_where_every_cach
     sample = tokenize_conversation(
         tiny_target.tokenizer, Conversation("c0", (Message("user", "q"), Message("assistant", "1 2 3")))
     )
-    for name, top_k in (("with", 1), ("without", 0)):
+    for name, top_k in (("with", 1), ("without", 0), ("with4", 4)):
         write_cache(tiny_target, [sample], tmp_path / name, StoredFields((), top_k), {"d": 1}, progress=False)
 
-    def asked_top_k(train, val, setting="loss.draft_vocab_size") -> int:
+    def asked_top_k(train, val, setting="loss.draft_vocab_size", weights=None) -> int:
         cfg = OmegaConf.create(
-            {"loss": {}, "datamodule": {"mode": "cached", "top_k": 0, "train_cache": train, "val_cache": val}}
+            {
+                "loss": {"weights": weights or {}},
+                "datamodule": {"mode": "cached", "top_k": 0, "train_cache": train, "val_cache": val},
+            }
         )
         OmegaConf.update(cfg, setting, 100)
         features_for_objective(cfg)
@@ -482,3 +502,8 @@ def test_a_reduced_training_vocab_asks_for_the_cached_top1_only_where_every_cach
     assert asked_top_k(with_top1, [without]) == 0
     assert asked_top_k(with_top1, with_top1, "loss.rollout_vocab_size") == 1
     assert asked_top_k(with_top1, with_top1, "head.config.draft_vocab_size") == 1  # EAGLE-3's own
+    # A Top-K term reads K: asked for where every cache stores them, else recomputed (0).
+    top4 = {"topk": 1.0, "topk_k": 4}
+    with4 = str(tmp_path / "with4")
+    assert asked_top_k(with4, with4, "loss.rollout_vocab_size", top4) == 4
+    assert asked_top_k(with4, with_top1, "loss.rollout_vocab_size", top4) == 0

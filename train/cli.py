@@ -200,19 +200,24 @@ def features_for_objective(cfg: DictConfig) -> None:
     if not reduced or cfg.datamodule.top_k:
         return
     setting = reduced[0]
+    # A Top-K term reads K of them (without any it recomputes them from the full logits).
+    weights = OmegaConf.select(cfg, "loss.weights", default=None) or {}
+    wanted = weights.get("topk_k", 1) if weights.get("topk", 0) > 0 else 1
     if cfg.datamodule.mode == "cached":
-        lacking = [d for d in cache_directories(cfg.datamodule) if stored_top_k(d) == 0]
+        lacking = [d for d in cache_directories(cfg.datamodule) if stored_top_k(d) < wanted]
         if lacking:
             log.info(
-                "%s: %s stores no top-k, so the target's argmax is computed from its full logits"
-                " (slower: a cache written with top_k=1 spares it)",
+                "%s: %s stores fewer than the top-%d, so the target's argmax is computed from its"
+                " full logits (slower: a cache written with top_k=%d spares it)",
                 setting,
                 lacking[0],
+                wanted,
+                wanted,
             )
             return
-    log.info("%s: the features carry the target's top-1 (datamodule.top_k=1)", setting)
+    log.info("%s: the features carry the target's top-%d (datamodule.top_k=%d)", setting, wanted, wanted)
     with open_dict(cfg):
-        cfg.datamodule.top_k = 1
+        cfg.datamodule.top_k = wanted
 
 
 def cache_directories(datamodule_cfg: DictConfig) -> list[str]:
@@ -228,17 +233,18 @@ def build_objective(
     target: Target,
     datamodule: FeatureDataModule,
     train_counts: torch.Tensor | None = None,
+    rollout: bool = True,
 ) -> DraftObjective:
     """The objective of ``loss_cfg``; a reduced training vocabulary (``draft_vocab_size``) and
-    the rollout steps' (``rollout_vocab_size``) are the most frequent assistant tokens of the
-    training split (``train_counts``, V; default: counted from the datamodule's), chosen as
-    EAGLE-3's is, so each smaller one lies inside the larger."""
+    the rollout steps' (``rollout_vocab_size``; none with ``rollout=False``, for an objective
+    that only measures) are the most frequent assistant tokens of the training split
+    (``train_counts``, V; default: counted from the datamodule's), chosen as EAGLE-3's is, so
+    the smaller lies inside the larger; a rollout vocabulary no smaller than the training one
+    changes nothing."""
     sizes = {name: loss_cfg.get(name) for name in ("draft_vocab_size", "rollout_vocab_size")}
-    if None not in sizes.values() and sizes["rollout_vocab_size"] > sizes["draft_vocab_size"]:
-        raise ValueError(
-            f"loss.rollout_vocab_size={sizes['rollout_vocab_size']} exceeds loss.draft_vocab_size="
-            f"{sizes['draft_vocab_size']}: the rollout steps' vocabulary is a part of the training one"
-        )
+    training_size = sizes["draft_vocab_size"] or target.spec.vocab_size
+    if not rollout or (sizes["rollout_vocab_size"] or training_size) >= training_size:
+        sizes["rollout_vocab_size"] = None
     reduced = {
         name: size for name, size in sizes.items() if size is not None and size < target.spec.vocab_size
     }

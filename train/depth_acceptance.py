@@ -227,7 +227,7 @@ def measure_run(
         raise SystemExit(
             f"{run_dir}: a {type(head).__name__} reads no features of its own (EAGLE-kind heads only)"
         )
-    vocab = build_objective(cfg.loss, target, datamodule, train_counts).draft_vocab
+    vocab = build_objective(cfg.loss, target, datamodule, train_counts, rollout=False).draft_vocab
     loader = datamodule.val_dataloader()
     # The loader's rows in order (it does not shuffle held-out data): each row's conversation.
     sample_ids = loader.dataset.sample_ids

@@ -32,9 +32,10 @@ class DraftHeadModule(L.LightningModule):
     stepped every optimiser step. head_record: what a checkpoint needs to rebuild the head
     (``{"kind", "config", "target_spec"}``), stored under ``checkpoint["specdraft"]``.
 
-    Logged: ``train/loss``, ``train/step{j}/{term}``, ``train/acc_{j}``; ``val/loss``,
-    ``val/acc_{j}`` and ``val/sim_tau`` = 1 + Σ_k Π_{i≤k} acc_i over the whole validation set,
-    ``train/tokens`` (real tokens seen).
+    Logged: ``train/loss``, ``train/step{j}/{term}``, ``train/acc_{j}`` (for j >= 2 over
+    ``loss.rollout_vocab_size``'s tokens when it is set); ``val/loss``, ``val/acc_{j}`` and
+    ``val/sim_tau`` = 1 + Σ_k Π_{i≤k} acc_i over the whole validation set and the training
+    vocabulary, ``train/tokens`` (real tokens seen).
     """
 
     def __init__(
