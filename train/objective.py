@@ -129,8 +129,8 @@ class DraftObjective:
         projection = head.vocab_projection(outputs)
         # Steps computed over the training vocabulary: all of them, or step 1 only (when the
         # rollout vocabulary is smaller than what the head drafts over).
-        narrows = self.rollout_vocab is not None and projection.narrows(self.rollout_vocab)
-        split = 1 if train and narrows else steps
+        narrows = train and self.rollout_vocab is not None and projection.narrows(self.rollout_vocab)
+        split = 1 if narrows else steps
         fused = self._fused(
             head, projection.steps(slice(0, split)), batch, b, q, valid[:split], step_weights[:split], labels
         )
