@@ -1,7 +1,14 @@
+"""data/generate.py: continuously batched greedy answers equal ``generate``'s prompt by prompt
+(through refills, compactions and the KV buffers' resizes); the one-token attention equals SDPA."""
+
+import itertools
+
 import pytest
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from specdraft.data.generate import greedy_generate
+import specdraft.data.generate as generate
+from specdraft.data.generate import greedy_generate, one_token_attention, slot_attention
 from specdraft.data.packed_linear import pack_linear_weights
 from specdraft.data.tiny import tiny_random_target
 
@@ -54,6 +61,57 @@ def test_equals_generate_prompt_by_prompt(model, batch_size):
     expected = reference(model, prompts, 30, eos)
     assert sorted({len(row) for row in expected})[0] < 30 < max(len(row) for row in expected) + 1
     assert greedy_generate(model, prompts, 30, eos, batch_size=batch_size) == expected
+
+
+def test_buffers_grow_and_shrink_without_changing_answers(model, monkeypatch):
+    """With a grain of 4 columns the KV buffers are resized many times, both ways (a long row
+    leaves, short ones take its place): the answers stay each prompt's own."""
+    prompts = [p * 3 for p in random_prompts(9, seed=3)]  # 9..57 tokens, shortest first
+    eos = {reference(model, prompts[-1:], 1, set())[0][0]}  # the longest ends at once
+    expected = reference(model, prompts, 12, eos)
+    sizes = []
+    fit = generate.Slots.fit
+
+    def recording_fit(self, needed):
+        fit(self, needed)
+        assert self.columns % 4 == 0 and needed <= self.columns < needed + 4
+        layers = [layer for layer in self.cache.layers if layer.is_initialized]
+        assert all(layer.key_buffer.shape[2] == self.columns for layer in layers)
+        sizes.append(self.columns)
+
+    monkeypatch.setattr(generate.Slots, "fit", recording_fit)
+    assert greedy_generate(model, prompts, 12, eos, batch_size=3, window_grain=4) == expected
+    steps = list(itertools.pairwise(sizes))
+    assert any(b > a for a, b in steps) and any(b < a for a, b in steps)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "additive", "none"])
+def test_one_token_attention_equals_sdpa(mask_kind):
+    """Query heads on their key/value heads (3 per head), 2 rows, 37 columns, some masked."""
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    query, key, value = torch.randn(2, 6, 1, 8), torch.randn(2, 2, 37, 8), torch.randn(2, 2, 37, 8)
+    visible = torch.rand(2, 1, 1, 37) > 0.4
+    mask = {
+        "bool": visible,
+        "additive": torch.zeros(2, 1, 1, 37).masked_fill(~visible, torch.finfo(torch.float32).min),
+        "none": None,
+    }[mask_kind]
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    output, _ = one_token_attention(module, query, key, value, mask, scaling=0.3)
+    assert output.shape == (2, 1, 6, 8)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_slot_attention_is_restored(model):
+    assert model.config._attn_implementation == "sdpa"
+    with slot_attention(model):
+        assert model.config._attn_implementation.startswith(generate.SLOT_ATTENTION)
+    assert model.config._attn_implementation == "sdpa"
+    eager = tiny_random_target(seed=0, attn_implementation="eager").model
+    with slot_attention(eager):  # its masks are not SDPA's: left as it is
+        assert eager.config._attn_implementation == "eager"
 
 
 def test_one_new_token_and_no_end_of_sequence(model):
