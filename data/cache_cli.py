@@ -19,6 +19,7 @@ from specdraft.data.chat import tokenize_conversations
 from specdraft.data.conversations import select_conversations
 from specdraft.data.errors import user_errors
 from specdraft.data.hardware import start
+from specdraft.data.packed_linear import pack_linear_weights
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,8 @@ def main(cfg: DictConfig) -> None:
     data = OmegaConf.to_container(cfg.data, resolve=True)
     conversations, description = select_conversations(source.conversations, data, cfg.split, cfg.limit)
     target = instantiate(cfg.target)
+    if cfg.packed_weights:
+        log.info("cache: %d linear layers pre-packed for oneDNN", pack_linear_weights(target.model))
     samples, token_report = tokenize_conversations(
         target.tokenizer, conversations, cfg.data.max_length, cfg.progress
     )

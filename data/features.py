@@ -151,8 +151,15 @@ def extract_features(
         return hook
 
     handles = [layers[i].register_forward_pre_hook(capture(i), with_kwargs=True) for i in aux_layer_ids]
+    # Right padding (collate's) hides nothing from a real token that causality does not already
+    # hide: without the mask SDPA runs its causal kernel on the key/value heads (1.09× the batch
+    # on SmolLM2, bf16, 16 × 512 tokens; the real tokens' features identical). Pads' outputs differ
+    # and are zeroed below.
+    right_padded = bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
     try:
-        output = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        output = decoder(
+            input_ids=input_ids, attention_mask=None if right_padded else attention_mask, use_cache=False
+        )
     finally:
         for handle in handles:
             handle.remove()

@@ -75,6 +75,19 @@ def test_batched_padded_features_equal_unpadded_single_sequences(tiny_target):
             assert not padded[row, n:].any()
 
 
+def test_a_mask_other_than_right_padding_reaches_the_model(tiny_target):
+    """Right padding runs the causal kernel without the mask (above: the same features); a mask
+    with a hole elsewhere is the model's to apply."""
+    batch = collate(tokenized_samples(tiny_target)[:2], tiny_target.spec.pad_token_id)
+    batch.attention_mask[:, 1] = 0
+    features = extract_features(tiny_target, batch)
+    with torch.no_grad():
+        expected = tiny_target.model.get_decoder()(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask
+        ).last_hidden_state * batch.attention_mask.unsqueeze(-1)
+    torch.testing.assert_close(features.hidden, expected)
+
+
 def test_topk_matches_the_model(tiny_target):
     batch = collate(tokenized_samples(tiny_target), tiny_target.spec.pad_token_id)
     features = extract_features(tiny_target, batch, top_k=4, lm_head_chunk_tokens=7)
