@@ -8,12 +8,12 @@ next prompt of the queue at once (continuous batching: its prefill runs beside t
 copied into the slot), and once the queue is empty ended rows leave the batch when they are a
 quarter of it.
 
-Attention is where the rest of a step went (43 % of a 64-row bf16 step on a 2-core EPYC, more than
-the linear layers): transformers' SDPA reads the keys and values of every row through a slice of
-the preallocated buffer, and on a CPU that strided read runs ~5× slower than the same product over
-contiguous memory. So the buffers are sized to the columns in use (grown and shrunk by
-``window_grain`` columns, each a copy of the cache), always contiguous, and a one-token step's
-attention is two batched products on the key/value heads (:func:`one_token_attention`).
+Attention was then the largest cost (43 % of a 64-row bf16 regeneration on a 2-core EPYC, more
+than the linear layers): transformers' SDPA read the keys and values of every row through a slice
+of the preallocated buffer, and on a CPU a product over that strided slice runs ~5× slower than
+over contiguous memory. So the buffers hold only the columns in use (grown and shrunk by
+``window_grain`` columns, each a copy of the cache), always contiguous, and on a CPU a one-token
+step's attention is two batched products on the key/value heads (:func:`one_token_attention`).
 
 The arithmetic is the model's own forward; only the bookkeeping differs, so in fp32 the tokens
 equal ``generate(do_sample=False)``'s on each prompt alone (tested).
@@ -78,10 +78,12 @@ def one_token_attention(
 @contextmanager
 def slot_attention(model: nn.Module) -> Iterator[None]:
     """Run ``model``'s one-token steps with :func:`one_token_attention` inside the block, its other
-    forwards with the attention it ran before (restored after). Only for attentions that take
-    SDPA's masks; others are left as they are."""
+    forwards with the attention it ran before (restored after). Only on a CPU (where it was
+    measured) and for attentions that take SDPA's masks; others are left as they are."""
     previous = model.config._attn_implementation
-    if previous not in ALL_ATTENTION_FUNCTIONS or ALL_MASK_ATTENTION_FUNCTIONS.get(previous) is not sdpa_mask:
+    sdpa_masks = ALL_MASK_ATTENTION_FUNCTIONS.get(previous) is sdpa_mask
+    sdpa_like = previous in ALL_ATTENTION_FUNCTIONS and sdpa_masks
+    if not sdpa_like or next(model.parameters()).device.type != "cpu":
         yield
         return
     name = f"{SLOT_ATTENTION}:{previous}"

@@ -43,7 +43,8 @@ Stages (``--stages`` picks some):
   as they are into docs/results/train_speed.json (a regeneration or acceptance measurement not
   given again is kept);
 * ``regen_speed`` — a regeneration measurement alone (``--regen-logs BEFORE AFTER
-  --regen-commits OLD NEW``, ``--train-speed-command`` saying how), into the same snapshot;
+  --regen-commits OLD NEW``, ``--train-speed-command`` saying how), added to the same snapshot
+  (the earlier ones kept);
 * ``recipe``    — the quickstart head's recipe variants (RECIPE_RUNS, outputs/recipe-gpu) into
   docs/results/recipe_gpu.json;
 * ``gpu_tests`` — a ``pytest -m gpu -v --durations=N`` log of a GPU session (``--gpu-log LOG
@@ -103,6 +104,12 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-slots-epyc": (
+        "qs-slots-epyc",
+        "make run (fresh clone of 990da36: install + specdraft-quickstart, budget_minutes=45; "
+        "regeneration on contiguous KV buffers with its own one-token attention, features without "
+        "the mask of right padding) on an AMD EPYC with AVX-512-bf16 but no AMX",
+    ),
     "qs-answered-epyc": (
         "qs-answered-epyc",
         "make run (fresh clone of d6e6022: install + specdraft-quickstart, budget_minutes=45; the "
@@ -267,6 +274,20 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-slots-epyc": (
+        "2026-11-27, `time make run` in a fresh clone of commit 990da36, alone on the machine (before "
+        "it that session ran only short benchmarks): 44:02 wall in all, of which the quickstart "
+        "43:19 of its 45-minute budget. Its probe read 660 regeneration tokens/s and 1,254 feature "
+        "tokens/s, so the plan gave data 2,466 conversations (2,194 answered, 272 dropped as too "
+        "long; qs-answered-epyc: 1,945 and 1,705) and training 2,942 steps; regeneration took 11:50 "
+        "(qs-answered-epyc: 11:47; 427,511 answer tokens at 607 tokens/s), caching 7:11 against its "
+        "ETA of 7:39 (574,249 tokens). It trained 2,933 steps (19:19 of fit, 11.3M tokens: 20 "
+        "passes over the data against 27). Held-out simulated τ 1.85 / 2.12 / 2.22 / 2.26 at steps "
+        "589 / 1,178 / 1,767 / 2,356 and 2.30 for the final weights (exported), on its own held-out "
+        "split of 184 conversations; plain decoding 49.7 tokens/s. τ 2.54 / 2.31 / 2.02 against "
+        "qs-answered-epyc's 2.48 / 2.22 / 1.98: within the ±0.08 that tells two heads of one recipe "
+        "apart on 16 turns. Outputs copied from that clone's run `quickstart` under this run name."
+    ),
     "qs-answered-epyc": (
         "2026-11-27, `time make run` in a fresh clone of commit d6e6022, alone on the machine after "
         "runs qs-padprobe-epyc and qs-share60-epyc: 43:44 wall in all, of which the quickstart 42:49 "
@@ -2531,14 +2552,18 @@ def gpu_tests_section() -> list[str] | None:
 
 
 def regen_speed(logs: list[Path], commits: list[str], command: str) -> None:
-    """A regeneration measurement alone, into this machine's training-speed snapshot (whose
-    training measurements it keeps): ``logs`` of ``specdraft-regen`` at ``commits`` (before,
-    after) on the same conversations."""
+    """A regeneration measurement alone, added to this machine's training-speed snapshot (whose
+    training and earlier regeneration measurements it keeps): ``logs`` of ``specdraft-regen`` at
+    ``commits`` (before, after) on the same conversations."""
     name = machine_snapshot("train_speed", detect_hardware().record())
     snapshot = read_json(SNAPSHOTS / name)
     if snapshot is None:
         raise SystemExit(f"regen_speed: no {SNAPSHOTS / name} to add the measurement to (stage train_speed)")
-    snapshot["regen"] = regen_measurement(logs, commits, command)
+    earlier = snapshot.get("regen") or []
+    snapshot["regen"] = [
+        *([earlier] if isinstance(earlier, dict) else earlier),
+        regen_measurement(logs, commits, command),
+    ]
     write_json_atomic(SNAPSHOTS / name, snapshot)
 
 
@@ -2644,8 +2669,8 @@ def train_speed_section(name: str = TRAIN_SPEED_SNAPSHOT) -> list[str] | None:
         for run in repeats:
             rates = ", ".join(f"{n} {v['train_tokens_per_s']:.0f}" for n, v in run["variants"].items())
             lines.append(f"- {run['commit'][:7]}: {rates}")
-    regen = snapshot.get("regen")
-    if regen:
+    regens = snapshot.get("regen") or []
+    for regen in [regens] if isinstance(regens, dict) else regens:  # oldest first
         old_rate, new_rate = regen["before"]["tokens_per_s"], regen["after"]["tokens_per_s"]
         rows = [regen[label].get("rows") for label in ("before", "after")]
         at_rows = f" at {rows[0]} → {rows[1]} rows" if all(rows) else ""

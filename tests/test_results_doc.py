@@ -351,11 +351,14 @@ def test_a_regeneration_measurement_alone_joins_this_machines_training_speed_sna
     results.regen_speed(logs, ["c" * 40, "d" * 40], "how")
     snapshot = json.loads((tmp_path / "docs" / "results" / results.TRAIN_SPEED_SNAPSHOT).read_text())
     assert [run["commit"] for run in snapshot["checkouts"]] == ["a" * 40, "b" * 40]  # kept
-    assert snapshot["regen"]["after"] == {"tokens": 990, "seconds": 6, "tokens_per_s": 165.0, "rows": 64}
+    assert snapshot["regen"][0]["after"] == {"tokens": 990, "seconds": 6, "tokens_per_s": 165.0, "rows": 64}
+    results.regen_speed(logs[::-1], ["e" * 40, "f" * 40], "again")  # a later one joins, oldest first
     results.doc()
     text = "\n".join(results.sections(tmp_path / "docs" / "results.md")[results.TRAIN_SPEED_TITLE])
-    assert "greedy at 32 → 64 rows): 100.0 tokens/s before, 165.0 after (1.65×" in text
-    assert "commits ccccccc → ddddddd; `how`" in text
+    first = text.index("greedy at 32 → 64 rows): 100.0 tokens/s before, 165.0 after (1.65×")
+    assert first < text.index("commits ccccccc → ddddddd; `how`")
+    assert first < text.index("greedy at 64 → 32 rows): 165.0 tokens/s before, 100.0 after (0.61×")
+    assert "commits eeeeeee → fffffff; `again`" in text
 
 
 def summary(steps: int, tau: float, accs: tuple[float, ...]) -> dict:
