@@ -104,6 +104,11 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-slots2-epyc": (
+        "qs-slots2-epyc",
+        "make run (fresh clone of cc41a23: install + specdraft-quickstart, budget_minutes=45; the "
+        "defaults of qs-slots-epyc, a second run) on an AMD EPYC with AVX-512-bf16 but no AMX",
+    ),
     "qs-slots-epyc": (
         "qs-slots-epyc",
         "make run (fresh clone of 990da36: install + specdraft-quickstart, budget_minutes=45; "
@@ -274,6 +279,18 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-slots2-epyc": (
+        "2026-11-27, `time make run` in a fresh clone of commit cc41a23 (the code of 990da36 on a "
+        "CPU), right after run qs-slots-epyc and a CI run, alone on the machine: 44:03 wall in all, "
+        "of which the quickstart 43:16 of its 45-minute budget. Its probe read 738 regeneration "
+        "tokens/s (the stage then ran at 586) and 1,078 feature tokens/s, so it planned 2,419 "
+        "conversations (2,149 answered) and 3,410 steps; regeneration overran its ETA by 1:40 "
+        "(11:58), caching came in 1:35 early (7:09), and training's deadline resized it to 2,911 "
+        "steps (19:03 of fit, 11.3M tokens, 20 passes over the data). Held-out simulated τ 1.92 / "
+        "2.15 / 2.29 / 2.33 at steps 673 / 1,346 / 2,019 / 2,692 (exported) and 2.33 for the final "
+        "weights, on its own held-out split of 178 conversations; plain decoding 47.2 tokens/s. "
+        "Outputs copied from that clone's run `quickstart` under this run name."
+    ),
     "qs-slots-epyc": (
         "2026-11-27, `time make run` in a fresh clone of commit 990da36, alone on the machine (before "
         "it that session ran only short benchmarks): 44:02 wall in all, of which the quickstart "
