@@ -15,8 +15,8 @@ over contiguous memory. So the buffers hold only the columns in use (grown and s
 ``window_grain`` columns, each a copy of the cache), always contiguous, and on a CPU a one-token
 step's attention is two batched products on the key/value heads (:func:`one_token_attention`).
 
-The arithmetic is the model's own forward; only the bookkeeping differs, so in fp32 the tokens
-equal ``generate(do_sample=False)``'s on each prompt alone (tested).
+Apart from that attention (the same sums in another order) the arithmetic is the model's own
+forward; in fp32 the tokens equal ``generate(do_sample=False)``'s on each prompt alone (tested).
 """
 
 from __future__ import annotations
