@@ -53,12 +53,13 @@ class VocabProjection:
         if self.draft_vocab is None:
             target_size, own_rows = self.weight.shape[-2], vocab
         else:
-            if not self.narrows(vocab):
-                return self
             target_size = self.target_to_draft.numel()
             own_rows = self.target_to_draft.to(vocab.device)[vocab]
             inside = own_rows >= 0
-            if not bool(inside.any()):
+            kept = int(inside.sum())
+            if kept == self.draft_vocab.numel():  # all of it (what narrows() asks)
+                return self
+            if not kept:
                 raise ValueError(
                     f"none of its {vocab.numel()} tokens lies inside the head's own "
                     f"{self.weight.shape[-2]}-token draft vocabulary"
