@@ -104,6 +104,11 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-rows128-epyc": (
+        "qs-rows128-epyc",
+        "make run (fresh clone of 8f157b8: install + specdraft-quickstart, budget_minutes=45; "
+        "regeneration at 128 rows on a CPU) on an AMD EPYC with AVX-512-bf16 but no AMX",
+    ),
     "qs-slots2-epyc": (
         "qs-slots2-epyc",
         "make run (fresh clone of cc41a23: install + specdraft-quickstart, budget_minutes=45; the "
@@ -279,6 +284,22 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-rows128-epyc": (
+        "2026-11-27, `time make run` in a fresh clone of commit 8f157b8 (the code of 6474729, "
+        "regeneration's rows on a CPU 64 -> 128), alone on the machine after a session of "
+        "regeneration benchmarks: 44:18 wall in all, of which the quickstart 43:14 of its 45-minute "
+        "budget. Its probe read 779 regeneration tokens/s at 128 rows and 1,309 feature tokens/s, so "
+        "it planned 2,502 conversations (qs-slots-epyc / qs-slots2-epyc at 64 rows: 2,466 / 2,419) "
+        "and 3,173 steps; regeneration answered 2,226 (2,194 / 2,149) at 641 tokens/s (607 / 586: "
+        "433,875 answer tokens in 11:17, its stage 11:23 against an ETA of 10:59), caching wrote "
+        "579,873 tokens in 7:46, and training's deadline resized it to 2,658 steps (18:03 of fit, "
+        "10.3M tokens, 18 passes over the data; 2,933 / 2,911 steps there). Held-out simulated τ "
+        "1.91 / 2.17 / 2.31 / 2.36 at steps 635 / 1,270 / 1,905 / 2,540 (exported) and 2.34 for the "
+        "final weights, on its own held-out split of 195 conversations; plain decoding 46.6 tokens/s. "
+        "τ 2.50 / 2.25 / 1.98 against 2.54 / 2.31 / 2.02 and 2.53 / 2.20 / 2.06: within the ±0.08 "
+        "that tells two heads of one recipe apart on 16 turns. Outputs copied from that clone's run "
+        "`quickstart` under this run name."
+    ),
     "qs-slots2-epyc": (
         "2026-11-27, `time make run` in a fresh clone of commit cc41a23 (the code of 990da36 on a "
         "CPU), right after run qs-slots-epyc and a CI run, alone on the machine: 44:03 wall in all, "
