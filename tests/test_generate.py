@@ -85,6 +85,25 @@ def test_buffers_grow_and_shrink_without_changing_answers(model, monkeypatch):
     assert any(b > a for a, b in steps) and any(b < a for a, b in steps)
 
 
+def test_prefills_of_a_few_rows_each_answer_as_the_model_does(model, monkeypatch):
+    """A batch's first prefill split into groups of PREFILL_ROWS prompts (each padded to its
+    own longest): the answers stay each prompt's own."""
+    prompts = random_prompts(7, seed=4)
+    expected = reference(model, prompts, 6, set())
+    widths = []
+    prefill = generate._prefill
+
+    def recording_prefill(model, input_ids, attention_mask):
+        widths.append(tuple(input_ids.shape))
+        return prefill(model, input_ids, attention_mask)
+
+    monkeypatch.setattr(generate, "PREFILL_ROWS", 2)
+    monkeypatch.setattr(generate, "_prefill", recording_prefill)
+    assert greedy_generate(model, prompts, 6, set(), batch_size=7) == expected
+    # shortest first, two at a time: each group as wide as its own longer prompt
+    assert widths == [(2, 5), (2, 9), (2, 13), (1, 15)]
+
+
 @pytest.mark.parametrize("mask_kind", ["bool", "additive", "none"])
 def test_one_token_attention_equals_sdpa(mask_kind):
     """Query heads on their key/value heads (3 per head), 2 rows, 37 columns, some masked."""
