@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+import specdraft.data.features as features_module
 from specdraft.data.chat import tokenize_conversation
 from specdraft.data.conversations import Conversation, Message
 from specdraft.data.features import collate, extract_features, length_batches
@@ -88,7 +89,9 @@ def test_a_mask_other_than_right_padding_reaches_the_model(tiny_target):
     torch.testing.assert_close(features.hidden, expected)
 
 
-def test_topk_matches_the_model(tiny_target):
+@pytest.mark.parametrize("topk_rows", [3, 32])  # 3: chunks of 7 logits rows in pieces 3 + 3 + 1
+def test_topk_matches_the_model(tiny_target, monkeypatch, topk_rows):
+    monkeypatch.setattr(features_module, "TOPK_ROWS", topk_rows)
     batch = collate(tokenized_samples(tiny_target), tiny_target.spec.pad_token_id)
     features = extract_features(tiny_target, batch, top_k=4, lm_head_chunk_tokens=7)
     logits = tiny_target.model(batch.input_ids, attention_mask=batch.attention_mask).logits.float()
