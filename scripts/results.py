@@ -104,6 +104,12 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-a128-epyc": (
+        "qs-a128-epyc",
+        "make install-assets && specdraft-quickstart regen.max_new_tokens=128 budget.answer_tokens=109 "
+        "(fresh clone of 896d82e, budget_minutes=45; answers cut at 128 tokens) on an AMD EPYC with "
+        "AVX-512-bf16 but no AMX",
+    ),
     "qs-rows128-epyc": (
         "qs-rows128-epyc",
         "make run (fresh clone of 8f157b8: install + specdraft-quickstart, budget_minutes=45; "
@@ -284,6 +290,27 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-a128-epyc": (
+        "2026-11-27, `time (make install-assets && .venv/bin/specdraft-quickstart "
+        "regen.max_new_tokens=128 budget.answer_tokens=109)` in a fresh clone of commit 896d82e (the "
+        "features' top-k softmax 32 rows at a time), alone on the machine after a session of short "
+        "benchmarks: 43:29 wall in all, of which the quickstart 42:41 of its 45-minute budget. The eval "
+        "decodes 128 new tokens a turn; here the answers it trains on were cut at 128 tokens too (109 "
+        "on average, against 195 at the default 256, 62 % of which reach 256), so the same regeneration "
+        "time buys more conversations. Its probe read 715 regeneration tokens/s at 128 rows and 1,425 "
+        "feature tokens/s, so it planned 3,721 conversations (qs-rows128-epyc: 2,502) and 3,440 steps; "
+        "regeneration answered 3,365 (2,226 there; 356 dropped as too long) at 587 tokens/s (368,969 "
+        "answer tokens in 10:29, its stage 10:35 against an ETA of 11:37), caching wrote 637,430 "
+        "tokens of 3,113 conversations in 7:01 (1,513 tokens/s; 579,873 of 2,031 in 7:46 there), and "
+        "training's deadline ended it at 3,365 steps (20:38 of fit, 13.2M tokens, 21 passes over the "
+        "data). Held-out simulated τ 1.73 / 1.91 / 1.98 / 2.02 at steps 687 / 1,375 / 2,063 / 2,751 and "
+        "2.04 for the final weights (exported), on its own held-out split, whose answers are cut at 128 "
+        "tokens too: not comparable with the runs on 256. Plain decoding 49.1 tokens/s. τ 2.62 / 2.27 "
+        "/ 2.06 against 2.50 / 2.25 / 1.98, 2.54 / 2.31 / 2.02 and 2.53 / 2.20 / 2.06 for the defaults "
+        "(qs-rows128-epyc, qs-slots-epyc, qs-slots2-epyc): the 60-node tree 0.08-0.12 above them, at "
+        "the edge of the ±0.08 that tells two heads of one recipe apart on 16 turns. Outputs copied "
+        "from that clone's run `quickstart` under this run name."
+    ),
     "qs-rows128-epyc": (
         "2026-11-27, `time make run` in a fresh clone of commit 8f157b8 (the code of 6474729, "
         "regeneration's rows on a CPU 64 -> 128), alone on the machine after a session of "
