@@ -104,6 +104,12 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-a128b-epyc": (
+        "qs-a128b-epyc",
+        "make install-assets && specdraft-quickstart regen.max_new_tokens=128 budget.answer_tokens=109 "
+        "(fresh clone of 8606097, budget_minutes=45; answers cut at 128 tokens, a second run) on an AMD "
+        "EPYC with AVX-512-bf16 but no AMX",
+    ),
     "qs-a128-epyc": (
         "qs-a128-epyc",
         "make install-assets && specdraft-quickstart regen.max_new_tokens=128 budget.answer_tokens=109 "
@@ -290,6 +296,22 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-a128b-epyc": (
+        "2026-11-27, `time (make install-assets && .venv/bin/specdraft-quickstart "
+        "regen.max_new_tokens=128 budget.answer_tokens=109)` in a fresh clone of commit 8606097 (the "
+        "code of qs-a128-epyc), right after that run, alone on the machine: 43:38 wall in all, of which "
+        "the quickstart 42:48 of its 45-minute budget. Its probe read 769 regeneration tokens/s and "
+        "1,327 feature tokens/s, so it planned 3,860 conversations and 3,478 steps; regeneration "
+        "answered 3,498 (362 dropped as too long) at 638 tokens/s (383,248 answer tokens in 10:01), "
+        "caching wrote 661,622 tokens of 3,243 conversations in 7:26, and training's deadline ended it "
+        "at 3,384 steps (20:42 of fit, 13.2M tokens, 20 passes over the data). Held-out simulated τ "
+        "1.74 / 1.92 / 2.00 / 2.05 at steps 747 / 1,495 / 2,243 / 2,991 (exported) and 2.04 for the "
+        "final weights, on its own held-out split of answers cut at 128 tokens. Plain decoding 51.0 "
+        "tokens/s. τ 2.61 / 2.28 / 2.04 against qs-a128-epyc's 2.62 / 2.27 / 2.06: both runs' 60-node "
+        "tree above all three runs of the 256-token answers (2.50 / 2.54 / 2.53, mean +0.09), the "
+        "smaller trees +0.03 on their means (within the noise). Outputs copied from that clone's run "
+        "`quickstart` under this run name."
+    ),
     "qs-a128-epyc": (
         "2026-11-27, `time (make install-assets && .venv/bin/specdraft-quickstart "
         "regen.max_new_tokens=128 budget.answer_tokens=109)` in a fresh clone of commit 896d82e (the "
