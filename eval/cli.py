@@ -88,7 +88,11 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
     if cfg.packed_weights:
         log.info("linear layers pre-packed for oneDNN: %d of the target", pack_linear_weights(target.model))
     if cfg.grouped_query_attention and use_grouped_query_attention(target.model):
-        log.info("attention: masked multi-token queries on the key/value heads (%s)", GROUPED_QUERY_ATTENTION)
+        log.info(
+            "attention: masked multi-token queries (one-token bf16 ones on a CPU) on the key/value "
+            "heads (%s)",
+            GROUPED_QUERY_ATTENTION,
+        )
     questions = instantiate(cfg.prompts)
     if not questions:
         raise ValueError(f"prompts {cfg.prompts}: no questions")

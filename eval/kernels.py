@@ -1,6 +1,7 @@
 """How the decoder's steps run fast: attention on the key/value heads for masked multi-token
-queries, and (optionally) compiled steps. The target's linear weights are pre-packed for oneDNN
-by :mod:`specdraft.data.packed_linear` (regeneration uses them too).
+queries (and one-token bf16 queries on a CPU), and (optionally) compiled steps. The target's
+linear weights are pre-packed for oneDNN by :mod:`specdraft.data.packed_linear` (regeneration uses
+them too).
 """
 
 from __future__ import annotations
@@ -18,8 +19,17 @@ Step = TypeVar("Step", bound=Callable)
 
 
 # The attention implementation our targets run under: transformers' SDPA, with masked
-# multi-token queries on the key/value heads (:func:`grouped_query_attention`).
+# multi-token queries (and one-token bf16 ones on a CPU) on the key/value heads
+# (:func:`grouped_query_attention`).
 GROUPED_QUERY_ATTENTION = "specdraft_grouped_sdpa"
+
+
+# (device type, dtype) where SDPA's ``enable_gqa`` kernel is slow for ONE query token: the
+# stacked rows instead. SmolLM2's shapes (9 query heads on 3 key/value heads, d = 64), 2 threads,
+# torch 2.13 on a 2-core AVX-512-bf16 EPYC: 125 / 280 µs against 26 / 47 µs at 300 / 600 keys in
+# bf16, and the target's plain decoding step 21.7 → 18.3 ms (300-400 keys); in fp32 ``enable_gqa``
+# is the faster (20 / 34 against 26 / 43 µs), so it keeps it.
+SLOW_SINGLE_QUERY_GQA = frozenset({("cpu", torch.bfloat16)})
 
 
 def grouped_query_attention(
@@ -32,24 +42,32 @@ def grouped_query_attention(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """transformers' SDPA attention, except for a multi-token query under an explicit mask (a tree
-    verification; a batch's ragged rows): transformers then copies every key and value head
-    ``groups`` times (``repeat_kv``) over the WHOLE past, in every layer, each step — it uses
-    SDPA's own grouped-query path only without a mask. Here the query heads that share a key/value
-    head are stacked as rows of that head instead (``groups·n`` rows against the past, the n×L
-    mask tiled ``groups`` times), so nothing past-sized is copied: what the one-token step
-    (transformers' ``pack_gqa``) already does, for n tokens.
+    """transformers' SDPA attention, except where it is slow on the key/value heads:
+
+    * a multi-token query under an explicit mask (a tree verification; a batch's ragged rows):
+      transformers then copies every key and value head ``groups`` times (``repeat_kv``) over the
+      WHOLE past, in every layer, each step — it uses SDPA's own grouped-query path only without
+      a mask. Here the query heads that share a key/value head are stacked as rows of that head
+      instead (``groups·n`` rows against the past, the n×L mask tiled ``groups`` times), so nothing
+      past-sized is copied: what the one-token step (transformers' ``pack_gqa``) already does, for
+      n tokens;
+    * a one-token bf16 query without a mask (plain decoding's step) on a CPU: transformers passes
+      it to SDPA's ``enable_gqa``, whose CPU kernel takes ~5× as long there as the same query
+      heads stacked as rows (:data:`SLOW_SINGLE_QUERY_GQA`).
 
     query B×H×n×d, key and value B×Hkv×L×d (query head h reads key/value head h // groups, as
     ``repeat_kv`` pairs them), attention_mask B'×1×n×L (additive or bool). Returns B×n×H×d."""
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, n, dim = query.shape
-    if groups == 1 or n == 1 or attention_mask is None or attention_mask.shape[1] != 1 or dropout:
+    slow_kernel = (query.device.type, query.dtype) in SLOW_SINGLE_QUERY_GQA
+    one_token = n == 1 and attention_mask is None and slow_kernel
+    masked = n > 1 and attention_mask is not None and attention_mask.shape[1] == 1
+    if groups == 1 or dropout or not (one_token or masked):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     rows = query.reshape(batch, heads // groups, groups * n, dim)  # row g·n + i: head's group g, token i
-    mask = torch.cat([attention_mask] * groups, dim=2)  # the same rows (3× faster than .repeat here)
+    mask = torch.cat([attention_mask] * groups, dim=2) if masked else None  # (3× faster than .repeat)
     output = torch.nn.functional.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scaling)
     return output.reshape(batch, heads, n, dim).transpose(1, 2).contiguous(), None
 

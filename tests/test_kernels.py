@@ -13,7 +13,11 @@ from specdraft.data.target import target_weights
 from specdraft.data.tiny import tiny_random_target
 from specdraft.eval.decode import plain_generate, speculative_generate
 from specdraft.eval.drafters import DynamicTree, FeatureHeadDrafter
-from specdraft.eval.kernels import GROUPED_QUERY_ATTENTION, use_grouped_query_attention
+from specdraft.eval.kernels import (
+    GROUPED_QUERY_ATTENTION,
+    grouped_query_attention,
+    use_grouped_query_attention,
+)
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.trees import tree_buffers
@@ -89,6 +93,36 @@ def test_grouped_query_attention_gives_sdpas_outputs_on_every_path_the_runner_ta
     runner.prefill(prompt), runner.extend(more), runner.extend(more[:1])
     chain = tree_buffers([(0,) * depth for depth in range(1, tree.num_nodes)])  # each node sees all before
     assert not torch.allclose(runner.verify(nodes, chain).logits, expected[3], atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_token_bf16_query_runs_as_rows_of_its_key_value_head(monkeypatch, dtype):
+    """Plain decoding's step (one query token, no mask): in bf16 on a CPU the query heads are
+    stacked as rows of their key/value head (SDPA's enable_gqa kernel is ~5x slower there), in
+    fp32 transformers' enable_gqa stays; both give grouped-query attention's outputs (each query
+    head reads key/value head h // groups)."""
+    module = nn.Module()
+    module.num_key_value_groups = 3
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (
+        torch.randn(2, heads, length, 16, generator=generator).to(dtype)
+        for heads, length in ((6, 1), (2, 40), (2, 40))
+    )
+    scores = query.float() @ key.float().repeat_interleave(3, 1).transpose(-1, -2) / 4
+    expected = (scores.softmax(-1) @ value.float().repeat_interleave(3, 1)).transpose(1, 2)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, *args, **kwargs):
+        calls.append((tuple(q.shape), kwargs.get("enable_gqa", False)))
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    output, _ = grouped_query_attention(module, query, key, value, None)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(output.float(), expected, rtol=tolerance, atol=tolerance)
+    stacked = dtype == torch.bfloat16
+    assert calls == [((2, 2, 3, 16), False)] if stacked else calls == [((2, 6, 1, 16), True)]
 
 
 def test_compiled_steps_decode_the_same_tokens_and_drafts():
