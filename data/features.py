@@ -8,7 +8,7 @@ at padded positions are zeroed so that they never depend on the batch they were 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -184,23 +184,39 @@ def extract_features(
 
 
 def _lm_head_outputs(target: Target, features: FeatureBatch, top_k: int, chunk: int) -> None:
-    """Fill ``features.topk_*`` from the frozen lm_head, ``chunk`` real tokens at a time (B×T×V
-    logits would be 0.8 GB in bf16 for an 8k-token batch of a 49k vocabulary), each chunk's
-    softmax in fp32 ``TOPK_ROWS`` rows at a time on a CPU."""
-    lm_head = target.model.get_output_embeddings()
+    """Fill ``features.topk_*`` from the frozen lm_head at the real tokens only."""
     hidden = features.hidden
     batch_size, length, _ = hidden.shape
     flat_index = features.attention_mask.to(hidden.device).reshape(-1).nonzero().squeeze(-1)
-    flat_hidden = hidden.reshape(batch_size * length, -1)
-    zeros = partial(torch.zeros, device=hidden.device)
-    features.topk_probs = zeros(batch_size, length, top_k, dtype=torch.float32)
-    features.topk_ids = zeros(batch_size, length, top_k, dtype=torch.long)
-    topk_probs = features.topk_probs.view(batch_size * length, top_k)
-    topk_ids = features.topk_ids.view(batch_size * length, top_k)
+    real = hidden.reshape(batch_size * length, -1)[flat_index]
+    ids, probs = target_topk(real, target.model.get_output_embeddings(), top_k, chunk)
+    zeros = partial(torch.zeros, batch_size * length, top_k, device=hidden.device)
+    features.topk_ids, features.topk_probs = zeros(dtype=torch.long), zeros(dtype=torch.float32)
+    features.topk_ids[flat_index], features.topk_probs[flat_index] = ids, probs
+    features.topk_ids = features.topk_ids.view(batch_size, length, top_k)
+    features.topk_probs = features.topk_probs.view(batch_size, length, top_k)
+
+
+@torch.no_grad()
+def target_topk(
+    hidden: Tensor,
+    lm_head: Callable[[Tensor], Tensor],
+    k: int,
+    chunk: int = DEFAULT_LM_HEAD_CHUNK_TOKENS,
+) -> tuple[Tensor, Tensor]:
+    """The target's k most likely next tokens at N hidden states (after its final norm): ids N×k
+    int64 and their fp32 probabilities N×k under the full softmax. ``lm_head`` (n×H -> n×V logits)
+    runs ``chunk`` rows at a time (N×V logits would be 0.8 GB in bf16 for 8k tokens of a 49k
+    vocabulary), each chunk's fp32 softmax ``TOPK_ROWS`` rows at a time on a CPU. The feature
+    cache and the objective (when the features hold no top-k) both read the target's top-k here."""
+    count = hidden.shape[0]
+    ids = torch.empty(count, k, dtype=torch.long, device=hidden.device)
+    probs = torch.empty(count, k, dtype=torch.float32, device=hidden.device)
     rows = TOPK_ROWS if hidden.device.type == "cpu" else chunk  # a GPU gains nothing, pays launches
-    for start in range(0, flat_index.numel(), chunk):
-        index = flat_index[start : start + chunk]
-        logits = lm_head(flat_hidden[index])
-        for row in range(0, index.numel(), rows):  # a row's softmax needs only its own logits
-            probs, ids = logits[row : row + rows].float().softmax(dim=-1).topk(top_k, dim=-1)
-            topk_probs[index[row : row + rows]], topk_ids[index[row : row + rows]] = probs, ids
+    for start in range(0, count, chunk):
+        logits = lm_head(hidden[start : start + chunk])
+        for row in range(0, len(logits), rows):  # a row's softmax needs only its own logits
+            stop = min(row + rows, len(logits))
+            piece = slice(start + row, start + stop)
+            probs[piece], ids[piece] = logits[row:stop].float().softmax(dim=-1).topk(k, dim=-1)
+    return ids, probs

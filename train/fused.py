@@ -457,15 +457,3 @@ def _first_argmax(shifted: Tensor, scratch: Tensor, last_first: Tensor) -> Tenso
     where comparing, multiplying by the column and taking the max took 2.3 ms)."""
     scores = torch.add(last_first, shifted, alpha=_ARGMAX_SCALE, out=scratch)
     return last_first.shape[0] - scores.amax(0).long()
-
-
-@torch.no_grad()
-def target_topk(target_hidden: Tensor, target_weight: Tensor, k: int, chunk_size: int = DEFAULT_CHUNK_SIZE):
-    """The target's top-k (ids, probs) N×k for its hidden states N×H, ``chunk_size`` rows at a time."""
-    weight = target_weight.to(target_hidden.dtype)
-    ids = torch.empty(target_hidden.shape[0], k, dtype=torch.long, device=target_hidden.device)
-    probs = torch.empty(target_hidden.shape[0], k, dtype=torch.float32, device=target_hidden.device)
-    for start in range(0, target_hidden.shape[0], chunk_size):
-        rows = slice(start, start + chunk_size)
-        probs[rows], ids[rows] = (target_hidden[rows] @ weight.T).float().softmax(-1).topk(k, dim=-1)
-    return ids, probs

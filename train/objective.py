@@ -15,14 +15,16 @@ argmax at the supervised positions; simulated τ = 1 + Σ_k Π_{i≤k} acc_i (do
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from specdraft.data.features import FeatureBatch
+from specdraft.data.features import FeatureBatch, target_topk
 from specdraft.heads.interface import DraftHead, shift_left
 from specdraft.heads.vocab import VocabProjection
-from specdraft.train.fused import DEFAULT_CHUNK_SIZE, TERMS, FrozenRows, fused_vocab_losses, target_topk
+from specdraft.train.fused import DEFAULT_CHUNK_SIZE, TERMS, FrozenRows, fused_vocab_losses
 from specdraft.train.losses import LossWeights, feature_regression
 
 
@@ -167,7 +169,8 @@ class DraftObjective:
                     " (raise datamodule.top_k / the cache's top_k)"
                 )
             return batch.topk_ids[b, p, :k], batch.topk_probs[b, p, :k]
-        return target_topk(target_hidden, head.target_lm_head, k, self.chunk_size)
+        weight = head.target_lm_head.to(target_hidden.dtype)
+        return target_topk(target_hidden, partial(F.linear, weight=weight), k)
 
     def _fused(
         self,
