@@ -36,39 +36,66 @@ class VocabProjection:
         weight = self.weight[selected] if self.weight.dim() == 3 else self.weight
         return VocabProjection(self.inputs[selected], weight, self.draft_vocab, self.target_to_draft)
 
-    def narrows(self, vocab: Tensor) -> bool:
-        """Whether :meth:`restricted_to` ``vocab`` leaves fewer tokens than this projection has."""
-        if self.draft_vocab is None:
-            return vocab.numel() < self.weight.shape[-2]
-        inside = self.target_to_draft.to(vocab.device)[vocab] >= 0
-        return int(inside.sum()) < self.draft_vocab.numel()
-
-    def restricted_to(self, vocab: Tensor, rows: Tensor | None = None) -> VocabProjection:
-        """The same projection over the target ids ``vocab`` only: a reduced training vocabulary
-        for a head that drafts over the whole target vocabulary; for a head with its own reduced
-        one, over the tokens of ``vocab`` inside it (``self`` when that is all of it: a head
-        warm-started from another run's vocabulary keeps training). ``rows``: ``weight``'s rows
-        of ``vocab`` when the caller keeps them (of a frozen weight), instead of selecting them."""
+    def restriction(self, vocab: Tensor) -> VocabRestriction:
+        """Where the target ids ``vocab`` lie in this projection's vocabulary (what
+        :meth:`restricted_to` needs). It depends on ``vocab`` and the head's vocabulary only, and
+        reads how many tokens are inside on the host, so a caller that restricts every step
+        computes it once and passes it instead of ``vocab``."""
         vocab = vocab.to(self.weight.device)
         if self.draft_vocab is None:
-            target_size, own_rows = self.weight.shape[-2], vocab
-        else:
-            target_size = self.target_to_draft.numel()
-            own_rows = self.target_to_draft.to(vocab.device)[vocab]
-            inside = own_rows >= 0
-            kept = int(inside.sum())
-            if kept == self.draft_vocab.numel():  # all of it (what narrows() asks)
-                return self
-            if not kept:
-                raise ValueError(
-                    f"none of its {vocab.numel()} tokens lies inside the head's own "
-                    f"{self.weight.shape[-2]}-token draft vocabulary"
-                )
-            vocab, own_rows = vocab[inside], own_rows[inside]
-        index = torch.full((target_size,), -1, dtype=torch.long, device=vocab.device)
-        index[vocab] = torch.arange(vocab.numel(), device=vocab.device)
-        weight = self.weight[..., own_rows, :] if rows is None else rows
-        return VocabProjection(self.inputs, weight, vocab, index)
+            size = self.weight.shape[-2]
+            index = _positions(vocab, size)
+            return VocabRestriction(vocab, vocab, index, narrows=vocab.numel() < size, unchanged=False)
+        own_rows = self.target_to_draft.to(vocab.device)[vocab]
+        inside = own_rows >= 0
+        kept = int(inside.sum())  # the one host sync
+        if not kept:
+            raise ValueError(
+                f"none of its {vocab.numel()} tokens lies inside the head's own "
+                f"{self.weight.shape[-2]}-token draft vocabulary"
+            )
+        whole = kept == self.draft_vocab.numel()
+        vocab, own_rows = vocab[inside], own_rows[inside]
+        index = _positions(vocab, self.target_to_draft.numel())
+        return VocabRestriction(vocab, own_rows, index, narrows=not whole, unchanged=whole)
+
+    def restricted_to(self, vocab: Tensor | VocabRestriction, rows: Tensor | None = None) -> VocabProjection:
+        """The same projection over the target ids ``vocab`` only (or a :meth:`restriction` of
+        them): a reduced training vocabulary for a head that drafts over the whole target
+        vocabulary; for a head with its own reduced one, over the tokens of ``vocab`` inside it
+        (``self`` when that is all of it: a head warm-started from another run's vocabulary keeps
+        training). ``rows``: ``weight``'s rows of ``vocab`` when the caller keeps them (of a frozen
+        weight), instead of selecting them."""
+        restriction = vocab if isinstance(vocab, VocabRestriction) else self.restriction(vocab)
+        if restriction.unchanged:
+            return self
+        weight = self.weight[..., restriction.own_rows, :] if rows is None else rows
+        return VocabProjection(self.inputs, weight, restriction.vocab, restriction.index)
+
+
+@dataclass(frozen=True)
+class VocabRestriction:
+    """A vocabulary of target ids as it lies in a projection's (:meth:`VocabProjection.restriction`).
+
+    vocab      V''  the target ids kept: those inside the projection's vocabulary
+    own_rows   V''  their rows of the projection's weight
+    index      V    position in ``vocab`` of each target id, −1 outside
+    narrows    bool fewer tokens than the projection has
+    unchanged  bool restricting gives the projection itself (its own vocabulary, all of it kept)
+    """
+
+    vocab: Tensor
+    own_rows: Tensor
+    index: Tensor
+    narrows: bool
+    unchanged: bool
+
+
+def _positions(vocab: Tensor, size: int) -> Tensor:
+    """size: the position of each id in ``vocab``, −1 for the ids not in it."""
+    index = torch.full((size,), -1, dtype=torch.long, device=vocab.device)
+    index[vocab] = torch.arange(vocab.numel(), device=vocab.device)
+    return index
 
 
 def draft_vocab_from_counts(counts: Tensor, draft_vocab_size: int) -> tuple[Tensor, Tensor]:

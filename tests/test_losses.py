@@ -10,6 +10,7 @@ import torch
 from specdraft.data.features import TokenBatch, extract_features
 from specdraft.data.target import target_weights
 from specdraft.heads import Eagle3Config, Eagle3Head, EagleHead, MedusaConfig, MedusaHead
+from specdraft.heads.vocab import VocabProjection
 from specdraft.train.losses import (
     LossWeights,
     cross_entropy,
@@ -254,3 +255,35 @@ def test_a_rollout_vocabulary_meets_a_heads_own_in_their_common_tokens(tiny_targ
     assert partial.loss.item() != pytest.approx(plain.loss.item())
     with pytest.raises(ValueError, match=r"loss\.rollout_vocab_size: none of its 10 tokens lies inside"):
         DraftObjective(weights, rollout, rollout_vocab=others)(build("eagle3", tiny_target), features)
+
+
+def test_the_objective_finds_its_vocabularies_in_a_heads_own_once(tiny_target, features, monkeypatch):
+    """Where the rollout vocabulary lies in an EAGLE-3 head's own (a count read on the host: a GPU
+    sync) is found on the first batch and kept: later batches train as a fresh objective would;
+    a head whose vocabulary changed is looked at again."""
+    weights, rollout = LossWeights(soft_ce=1.0, topk=0.5, topk_k=3), RolloutConfig(steps=2)
+    head = build("eagle3", tiny_target)
+    own = own_vocabulary(head)
+    vocab = own[100:150]
+    looked_up = []
+    restriction = VocabProjection.restriction
+
+    def counting(projection, wanted):
+        looked_up.append(wanted)
+        return restriction(projection, wanted)
+
+    monkeypatch.setattr(VocabProjection, "restriction", counting)
+    objective = DraftObjective(weights, rollout, rollout_vocab=vocab)
+    first, again = objective(head, features).loss, objective(head, features).loss
+    assert len(looked_up) == 1
+    torch.testing.assert_close(again, first)
+    # 30 of its lowest ids out, 30 others in: the rollout vocabulary's rows in it move
+    others = [i for i in range(head.spec.vocab_size) if i not in set(own.tolist())][:30]
+    t2d = head.t2d.clone()
+    t2d[own[:30]], t2d[others] = False, True
+    ids = torch.nonzero(t2d).squeeze(-1)
+    head.set_draft_vocab(ids - torch.arange(ids.numel()), t2d)
+    changed = objective(head, features).loss
+    assert len(looked_up) == 2
+    fresh = DraftObjective(weights, rollout, rollout_vocab=vocab)(head, features).loss
+    torch.testing.assert_close(changed, fresh)

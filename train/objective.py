@@ -23,7 +23,7 @@ from torch import Tensor
 
 from specdraft.data.features import FeatureBatch, target_topk
 from specdraft.heads.interface import DraftHead, shift_left
-from specdraft.heads.vocab import VocabProjection
+from specdraft.heads.vocab import VocabProjection, VocabRestriction
 from specdraft.train.fused import DEFAULT_CHUNK_SIZE, TERMS, FrozenRows, fused_vocab_losses
 from specdraft.train.losses import LossWeights, feature_regression
 
@@ -113,6 +113,9 @@ class DraftObjective:
         self.active = [name for name in TERMS if getattr(weights, name) > 0]
         # The target lm_head's rows over each vocabulary in use, kept across batches.
         self._frozen: dict[str, FrozenRows] = {}
+        # Where each vocabulary in use lies in the head's, kept across batches (with what it was
+        # computed from: held, so that no other tensor can take their place).
+        self._restrictions: dict[str, tuple[tuple, VocabRestriction]] = {}
 
     def __call__(self, head: DraftHead, batch: FeatureBatch, train: bool = True) -> ObjectiveOutput:
         """The loss and per-step accuracies of ``head`` on ``batch``. An autoregressive head rolls
@@ -131,7 +134,11 @@ class DraftObjective:
         projection = head.vocab_projection(outputs)
         # Steps computed over the training vocabulary: all of them, or step 1 only (when the
         # rollout vocabulary is smaller than what the head drafts over).
-        narrows = train and self.rollout_vocab is not None and projection.narrows(self.rollout_vocab)
+        narrows = (
+            train
+            and self.rollout_vocab is not None
+            and self._restriction(head, projection, self.rollout_vocab, rollout=True).narrows
+        )
         split = 1 if narrows else steps
         fused = self._fused(
             head, projection.steps(slice(0, split)), batch, b, q, valid[:split], step_weights[:split], labels
@@ -192,11 +199,8 @@ class DraftObjective:
         if frozen is not None and vocab is None:
             projection = VocabProjection(projection.inputs, frozen.rows)
         if vocab is not None:
-            try:
-                projection = projection.restricted_to(vocab, None if frozen is None else frozen.rows)
-            except ValueError as error:
-                setting = "loss.rollout_vocab_size" if rollout else "loss.draft_vocab_size"
-                raise ValueError(f"{setting}: {error} ({type(head).__name__})") from None
+            restriction = self._restriction(head, projection, vocab, rollout)
+            projection = projection.restricted_to(restriction, None if frozen is None else frozen.rows)
         target_hidden = batch.hidden[b, q]
         cached_argmax = batch.topk_ids[b, q, 0] if batch.topk_ids is not None else None
         return fused_vocab_losses(
@@ -215,6 +219,36 @@ class DraftObjective:
             cached_argmax,
             frozen,
         )
+
+    def _restriction(
+        self, head: DraftHead, projection: VocabProjection, vocab: Tensor, rollout: bool
+    ) -> VocabRestriction:
+        """Where ``vocab`` (the training vocabulary, or with ``rollout`` the rollout one) lies in
+        the head's vocabulary: computed once and kept while neither changes (the same tensors,
+        not modified in place since). For a head with its own vocabulary (EAGLE-3) computing it
+        reads a count on the host: a sync every step on a GPU otherwise."""
+        mapping = projection.target_to_draft
+        sources = (
+            vocab,
+            vocab._version,
+            mapping,
+            None if mapping is None else mapping._version,
+            projection.weight.shape[-2],
+            projection.weight.device,
+        )
+        role = "rollout" if rollout else "train"
+        kept = self._restrictions.get(role)
+        same = kept is not None and all(
+            now is then if isinstance(now, Tensor) else now == then
+            for now, then in zip(sources, kept[0], strict=True)
+        )
+        if not same:
+            try:
+                kept = self._restrictions[role] = (sources, projection.restriction(vocab))
+            except ValueError as error:
+                setting = "loss.rollout_vocab_size" if rollout else "loss.draft_vocab_size"
+                raise ValueError(f"{setting}: {error} ({type(head).__name__})") from None
+        return kept[1]
 
     def _frozen_rows(
         self,
