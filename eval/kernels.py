@@ -15,6 +15,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from specdraft.heads.layers import SLOW_GROUPED_QUERY_KERNEL, stacked_query_attention
+
 Step = TypeVar("Step", bound=Callable)
 
 
@@ -22,14 +24,6 @@ Step = TypeVar("Step", bound=Callable)
 # multi-token queries (and one-token bf16 ones on a CPU) on the key/value heads
 # (:func:`grouped_query_attention`).
 GROUPED_QUERY_ATTENTION = "specdraft_grouped_sdpa"
-
-
-# (device type, dtype) where SDPA's ``enable_gqa`` kernel is slow for ONE query token: the
-# stacked rows instead. SmolLM2's shapes (9 query heads on 3 key/value heads, d = 64), 2 threads,
-# torch 2.13 on a 2-core AVX-512-bf16 EPYC: 125 / 280 µs against 26 / 47 µs at 300 / 600 keys in
-# bf16, and the target's plain decoding step 21.7 → 18.3 ms (300-400 keys); in fp32 ``enable_gqa``
-# is the faster (20 / 34 against 26 / 43 µs), so it keeps it.
-SLOW_SINGLE_QUERY_GQA = frozenset({("cpu", torch.bfloat16)})
 
 
 def grouped_query_attention(
@@ -53,23 +47,21 @@ def grouped_query_attention(
       n tokens;
     * a one-token bf16 query without a mask (plain decoding's step) on a CPU: transformers passes
       it to SDPA's ``enable_gqa``, whose CPU kernel takes ~5× as long there as the same query
-      heads stacked as rows (:data:`SLOW_SINGLE_QUERY_GQA`).
+      heads stacked as rows (:data:`~specdraft.heads.layers.SLOW_GROUPED_QUERY_KERNEL`).
 
     query B×H×n×d, key and value B×Hkv×L×d (query head h reads key/value head h // groups, as
     ``repeat_kv`` pairs them), attention_mask B'×1×n×L (additive or bool). Returns B×n×H×d."""
     groups = getattr(module, "num_key_value_groups", 1)
-    batch, heads, n, dim = query.shape
-    slow_kernel = (query.device.type, query.dtype) in SLOW_SINGLE_QUERY_GQA
+    n = query.shape[2]
+    slow_kernel = (query.device.type, query.dtype) in SLOW_GROUPED_QUERY_KERNEL
     one_token = n == 1 and attention_mask is None and slow_kernel
     masked = n > 1 and attention_mask is not None and attention_mask.shape[1] == 1
     if groups == 1 or dropout or not (one_token or masked):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    rows = query.reshape(batch, heads // groups, groups * n, dim)  # row g·n + i: head's group g, token i
-    mask = torch.cat([attention_mask] * groups, dim=2) if masked else None  # (3× faster than .repeat)
-    output = torch.nn.functional.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scaling)
-    return output.reshape(batch, heads, n, dim).transpose(1, 2).contiguous(), None
+    output = stacked_query_attention(query, key, value, attention_mask if masked else None, scaling)
+    return output.transpose(1, 2).contiguous(), None
 
 
 def use_grouped_query_attention(model: nn.Module) -> bool:

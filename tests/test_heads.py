@@ -13,9 +13,10 @@ from specdraft.heads import (
     MedusaConfig,
     MedusaHead,
     draft_vocab_from_counts,
+    layers,
     random_target_weights,
 )
-from specdraft.heads.layers import causal_mask
+from specdraft.heads.layers import causal_mask, stacked_query_attention
 from specdraft.heads.vocab import target_to_draft_index
 
 
@@ -206,3 +207,60 @@ def test_a_step_writing_into_a_preallocated_cache_equals_one_given_the_past(spec
         torch.testing.assert_close(got, want)
     torch.testing.assert_close(cache_key[:, :, past : past + n], expected[1])
     torch.testing.assert_close(cache_value[:, :, past : past + n], expected[2])
+
+
+@pytest.mark.parametrize("mask_dims", [0, 2, 4])
+@pytest.mark.parametrize("n", [1, 3])
+def test_stacked_queries_attend_as_grouped_query_attention(n, mask_dims):
+    """Query heads stacked as rows of their key/value head (one token, or n under a mask tiled
+    over the rows) give grouped-query attention: query head h reads key/value head h // groups,
+    each token under its own mask row."""
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 6, n, 8, generator=generator)
+    keys, values = (
+        torch.randn(2, 2, 10, 8, generator=generator),
+        torch.randn(2, 2, 10, 8, generator=generator),
+    )
+    visible = torch.rand(n, 10, generator=generator) > 0.3
+    visible[:, 0] = True
+    additive = torch.zeros(n, 10).masked_fill(~visible, float("-inf"))
+    mask = {0: None, 2: additive, 4: additive[None, None].expand(2, 1, n, 10)}[mask_dims]
+    scores = query @ keys.repeat_interleave(3, 1).transpose(-1, -2) / 8**0.5
+    if mask is not None:
+        scores = scores + additive
+    expected = scores.softmax(-1) @ values.repeat_interleave(3, 1)
+    torch.testing.assert_close(stacked_query_attention(query, keys, values, mask), expected)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_bf16_draft_step_attends_with_its_queries_stacked(spec, weights, n, monkeypatch):
+    """A decoding step's few bf16 query tokens under a mask on a CPU (where SDPA's grouped-query
+    kernel is slow) run as rows of their key/value head, with what that kernel gives."""
+    torch.manual_seed(0)
+    head = EagleHead(spec, weights).eval().to(torch.bfloat16)
+    past, capacity = 5, 12
+    kv_shape = (1, spec.num_kv_heads, capacity, spec.head_dim)
+    cache = torch.randn(kv_shape).bfloat16(), torch.randn(kv_shape).bfloat16()
+    features = torch.randn(1, n, spec.hidden_size).bfloat16()
+    tokens = torch.randint(0, spec.vocab_size, (1, n))
+    mask = torch.full((n, capacity), float("-inf"))
+    mask[:, :past] = 0
+    mask[:, past : past + n] = causal_mask(n)
+
+    def step():
+        keys, values = (c.clone() for c in cache)
+        with torch.no_grad():
+            return head.step(
+                features, tokens, past + torch.arange(n)[None], mask, keys, values, past + torch.arange(n)
+            )
+
+    stacked = []
+    monkeypatch.setattr(
+        layers, "stacked_query_attention", lambda *a: stacked.append(1) or stacked_query_attention(*a)
+    )
+    got = step()
+    assert stacked
+    monkeypatch.setattr(layers, "SLOW_GROUPED_QUERY_KERNEL", frozenset())  # SDPA's enable_gqa
+    for ours, sdpa in zip(got, step(), strict=True):
+        torch.testing.assert_close(ours.float(), sdpa.float(), rtol=2e-2, atol=2e-2)
+    assert len(stacked) == 1
