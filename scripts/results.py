@@ -104,6 +104,12 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-gqa-epyc": (
+        "qs-gqa-epyc",
+        "make run (fresh clone of c25cd4d: install + specdraft-quickstart, budget_minutes=45; answers "
+        "cut at 128 tokens by default, plain decoding's one-token attention on stacked query rows) on "
+        "an AMD EPYC with AVX-512-bf16 but no AMX",
+    ),
     "qs-a128b-epyc": (
         "qs-a128b-epyc",
         "make install-assets && specdraft-quickstart regen.max_new_tokens=128 budget.answer_tokens=109 "
@@ -296,6 +302,26 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-gqa-epyc": (
+        "2026-11-27, `time make run` in a fresh clone of commit c25cd4d (the first `make run` with "
+        "answers cut at 128 tokens by default, and plain decoding's one-token attention on stacked "
+        "query rows since 110a26a), with ~1.5 minutes of this session's unit tests beside it during "
+        "its regeneration (that stage's pace is not clean), otherwise alone on the machine: 43:53 wall "
+        "in all, of which the quickstart 42:58 of its 45-minute budget. A slower hour of the machine: "
+        "its probe read 635 regeneration tokens/s at 128 rows, 1,209 feature tokens/s and 9,891 "
+        "training positions/s (715-769 and 1,327-1,425 feature tokens/s in qs-a128-epyc and "
+        "qs-a128b-epyc), so it planned 3,311 conversations and 2,654 steps; regeneration answered "
+        "2,999 (312 dropped as too long) at 461 tokens/s (326,781 answer tokens in 11:48, its stage "
+        "11:58 against an ETA of 11:02), caching wrote 562,374 tokens of 2,760 conversations in 6:23 "
+        "(ETA 7:54), and training was resized to 2,720 steps, then by its deadline to 3,030 (19:27 of "
+        "fit, 11.8M tokens, 21 passes over the data). Held-out simulated τ 1.69 / 1.86 / 1.95 / 2.02 / "
+        "2.06 at steps 543 / 1,087 / 1,631 / 2,175 / 2,719 (exported) and 2.03 for the final weights. "
+        "Plain decoding 48.9 tokens/s on the faster one-token attention: the trees' speedups are not "
+        "comparable with the runs before it (Reading these numbers, below). τ 2.54 / 2.30 / 2.05 "
+        "against 2.62 / 2.27 / 2.06 and 2.61 / 2.28 / 2.04 (qs-a128-epyc, qs-a128b-epyc) on 10-14 % "
+        "fewer conversations: within the ±0.08 that tells two heads of one recipe apart on 16 turns. "
+        "Outputs copied from that clone's run `quickstart` under this run name."
+    ),
     "qs-a128b-epyc": (
         "2026-11-27, `time (make install-assets && .venv/bin/specdraft-quickstart "
         "regen.max_new_tokens=128 budget.answer_tokens=109)` in a fresh clone of commit 8606097 (the "
