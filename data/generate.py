@@ -32,8 +32,9 @@ forward; in fp32 the tokens equal ``generate(do_sample=False)``'s on each prompt
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +42,9 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+if TYPE_CHECKING:
+    from specdraft.data.capture import FeatureCapture
 
 COMPACT_FRACTION = 0.25  # drop ended rows once they are this share of the batch (a copy of the cache)
 # Columns the KV buffers grow and shrink by: each resize copies the cache (~0.1 s at 64 rows × 600
@@ -255,6 +259,7 @@ def greedy_generate(
     pad_token_id: int = 0,
     on_step: Callable[[int], object] | None = None,
     window_grain: int = WINDOW_GRAIN,
+    capture: FeatureCapture | None = None,
 ) -> list[list[int]]:
     """Greedy continuations of ``prompts``, ``batch_size`` at a time, continuously batched: a row
     whose answer ended takes the next prompt of the queue at once (its prefill runs beside the
@@ -264,6 +269,8 @@ def greedy_generate(
     on_step  called after each decoding step with the number of rows it advanced (a progress
              bar, a probe timing the steps)
     window_grain  columns the KV buffers grow and shrink by (:data:`WINDOW_GRAIN`)
+    capture  keeps the target features of every prompt + answer token (data/capture.py); each
+             answer's last token is then fed once more, for its own features
     returns  per prompt, its new token ids, ending at its first end-of-sequence token (kept) or
              after ``max_new_tokens`` tokens
     """
@@ -282,13 +289,17 @@ def greedy_generate(
     slots = Slots(batch, capacity, model.config.num_hidden_layers, device, window_grain)
     owner = [-1] * batch  # the prompt each row answers (−1: free)
     tokens = torch.full((batch,), pad_token_id, dtype=torch.long)
+    finishing: set[int] = set()  # rows whose answer ended, fed its last token once more (capture)
 
     def emit(rows: list[int], new: list[int]) -> None:
         for row, token in zip(rows, new, strict=True):
             index = owner[row]
             outputs[index].append(token)
             if token in eos or len(outputs[index]) == max_new_tokens:
-                owner[row] = -1
+                if capture is None:
+                    owner[row] = -1
+                else:
+                    finishing.add(row)
             tokens[row] = token
 
     def refill() -> None:
@@ -299,12 +310,14 @@ def greedy_generate(
             chosen = [queue.pop(0) for _ in free]
             input_ids, attention_mask = left_pad([prompts[i] for i in chosen], pad_token_id, device)
             logits, prefill = _prefill(model, input_ids, attention_mask)
+            if capture is not None:
+                capture.prefill(chosen, attention_mask)
             slots.load(torch.tensor(free, device=device), prefill, attention_mask)
             for row, index in zip(free, chosen, strict=True):
                 owner[row] = index
             emit(free, greedy_tokens(logits).tolist())
 
-    with slot_attention(model):
+    with slot_attention(model), capture or nullcontext():
         refill()
         while any(index >= 0 for index in owner):
             ended = [row for row, index in enumerate(owner) if index == -1]
@@ -312,6 +325,7 @@ def greedy_generate(
                 keep = [row for row, index in enumerate(owner) if index >= 0]
                 slots.select(torch.tensor(keep, device=device))
                 owner, tokens = [owner[row] for row in keep], tokens[keep]
+                finishing = {keep.index(row) for row in finishing}
             rows = torch.arange(len(owner), device=device)
             active = [row for row, index in enumerate(owner) if index >= 0]
             # An ended row waiting to leave the batch rewrites the same column with a pad token.
@@ -328,6 +342,13 @@ def greedy_generate(
             ).logits[:, -1]
             slots.write += advance
             slots.position += advance
+            if capture is not None:
+                capture.step([owner[row] for row in active], active, logits)
+            fed_last = [row for row in active if row in finishing]
+            for row in fed_last:
+                owner[row] = -1
+            finishing.difference_update(fed_last)
+            active = [row for row in active if owner[row] >= 0]
             emit(active, greedy_tokens(logits[active]).tolist())
             if on_step is not None:
                 on_step(len(active))

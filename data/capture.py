@@ -1,0 +1,145 @@
+"""Target features captured while greedy regeneration runs, instead of a second forward later.
+
+Regeneration's prefill already computes the prompt's hidden states and each decoding step the
+hidden state of the token it feeds, so the feature cache's forward over the same tokens
+(``specdraft-cache``: 6-7 of the quickstart's 45 minutes on a 2-core EPYC) repeats work done. A
+:class:`FeatureCapture` hooks the target's decoder while :func:`~specdraft.data.generate.greedy_generate`
+runs and keeps, for every token of prompt + answer, what :func:`~specdraft.data.features.extract_features`
+would compute: the last hidden state, the requested aux layers' inputs, the top-k of the target's
+softmax. The generator feeds each answer's last token once more (one extra step per row) so that
+it has features too.
+
+The tokens are the generated ids themselves, not the answer decoded to text and tokenized again
+(the cache stage's input), and the features come from a left-padded prefill and one-token steps,
+so they equal a right-padded full forward at rounding level (fp32 ≤ 1e-5 on the tiny target,
+tested), as the cache's own batches do among themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from specdraft.data.features import DEFAULT_LM_HEAD_CHUNK_TOKENS, target_topk
+
+
+@dataclass
+class CapturedFeatures:
+    """One sequence's features, T = prompt + answer tokens.
+
+    hidden  T×H     last hidden state after the final norm, target dtype
+    aux     T×(k·H) inputs of the aux layers, concatenated (None without aux layers)
+    topk_ids T×K int64, topk_probs T×K fp32 (None when top_k is 0)
+    """
+
+    hidden: Tensor
+    aux: Tensor | None
+    topk_ids: Tensor | None
+    topk_probs: Tensor | None
+
+
+class FeatureCapture:
+    """Collects features of the sequences :func:`~specdraft.data.generate.greedy_generate` feeds,
+    per prompt index. Use as a context manager around the generation (it hooks the decoder and the
+    aux layers, and removes the hooks on exit)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        aux_layer_ids: Sequence[int] = (),
+        top_k: int = 0,
+        lm_head_chunk_tokens: int = DEFAULT_LM_HEAD_CHUNK_TOKENS,
+    ) -> None:
+        self.model, self.aux_layer_ids, self.top_k = model, tuple(aux_layer_ids), top_k
+        self.chunk = lm_head_chunk_tokens
+        self.decoder = model.get_decoder()
+        layers = self.decoder.layers
+        for layer_id in self.aux_layer_ids:
+            if not 0 <= layer_id < len(layers):
+                raise ValueError(
+                    f"aux layer id {layer_id} out of range 0..{len(layers) - 1} (hidden_states indexing)"
+                )
+        self._pieces: dict[int, list[tuple[Tensor, ...]]] = {}
+        self._last: dict[str, Tensor] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> FeatureCapture:
+        def keep_output(module, args, output) -> None:
+            self._last["hidden"] = output.last_hidden_state
+
+        def keep_input(layer_id: int):
+            def hook(module, args, kwargs) -> None:
+                self._last[f"aux{layer_id}"] = args[0] if args else kwargs["hidden_states"]
+
+            return hook
+
+        self._handles = [self.decoder.register_forward_hook(keep_output)]
+        self._handles += [
+            self.decoder.layers[i].register_forward_pre_hook(keep_input(i), with_kwargs=True)
+            for i in self.aux_layer_ids
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._last = [], {}
+
+    def _rows(self) -> tuple[Tensor, Tensor | None]:
+        """The last forward's hidden states B×W×H and aux inputs B×W×(k·H) (None without aux)."""
+        aux = [self._last[f"aux{i}"] for i in self.aux_layer_ids]
+        return self._last["hidden"], torch.cat(aux, dim=-1) if aux else None
+
+    def _topk(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        probs, ids = logits.float().softmax(dim=-1).topk(self.top_k, dim=-1)
+        return ids, probs
+
+    def prefill(self, prompts: Sequence[int], attention_mask: Tensor) -> None:
+        """After a left-padded prefill of ``prompts`` (indices; B×W ``attention_mask``): keep
+        each prompt's real positions."""
+        hidden, aux = self._rows()
+        real = attention_mask.bool()
+        flat_hidden = hidden[real]  # the rows' real positions, row after row
+        flat_aux = aux[real] if aux is not None else None
+        if self.top_k:
+            lm_head = self.model.get_output_embeddings()
+            ids, probs = target_topk(flat_hidden, lm_head, self.top_k, self.chunk)
+        start = 0
+        for row, prompt in enumerate(prompts):
+            count = int(real[row].sum())
+            piece = slice(start, start + count)
+            self._pieces[prompt] = [
+                (
+                    flat_hidden[piece],
+                    flat_aux[piece] if flat_aux is not None else None,
+                    ids[piece] if self.top_k else None,
+                    probs[piece] if self.top_k else None,
+                )
+            ]
+            start += count
+
+    def step(self, prompts: Sequence[int], rows: Sequence[int], logits: Tensor) -> None:
+        """After a one-token step: keep the fed token's features for batch rows ``rows`` answering
+        ``prompts``; ``logits`` B×V are the step's."""
+        hidden, aux = self._rows()
+        index = torch.tensor(rows, device=hidden.device)
+        hidden, aux = hidden[index, -1], aux[index, -1] if aux is not None else None
+        ids, probs = self._topk(logits[index]) if self.top_k else (None, None)
+        for n, prompt in enumerate(prompts):
+            self._pieces[prompt].append(
+                (
+                    hidden[n : n + 1],
+                    aux[n : n + 1] if aux is not None else None,
+                    ids[n : n + 1] if ids is not None else None,
+                    probs[n : n + 1] if probs is not None else None,
+                )
+            )
+
+    def pop(self, prompt: int) -> CapturedFeatures:
+        """The features of prompt ``prompt``'s whole sequence (forgotten here)."""
+        columns = list(zip(*self._pieces.pop(prompt), strict=True))
+        hidden, aux, ids, probs = (None if parts[0] is None else torch.cat(parts) for parts in columns)
+        return CapturedFeatures(hidden, aux, ids, probs)

@@ -1,0 +1,77 @@
+"""data/capture.py: features captured during greedy regeneration equal the feature cache's
+forward over the same tokens (fp32), through refills, compactions and rows that end early."""
+
+import pytest
+import torch
+
+from specdraft.data.capture import FeatureCapture
+from specdraft.data.chat import TokenizedConversation
+from specdraft.data.features import collate, extract_features
+from specdraft.data.generate import greedy_generate
+from specdraft.data.tiny import tiny_random_target
+
+TOP_K = 5
+MAX_NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_random_target(seed=0, initializer_range=0.5)
+
+
+def prompts_and_eos(model, count: int = 9):
+    """Prompts of different lengths, and end tokens taken from their free-running answers so
+    that rows end at different steps (some at their first token)."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 100, (3 + 2 * i,), generator=generator).tolist() for i in range(count)]
+    free = greedy_generate(model, prompts, MAX_NEW_TOKENS, set(), batch_size=count)
+    eos = {free[0][0], free[count // 3][4], free[2 * count // 3][7]}
+    return prompts, eos
+
+
+def assert_close_to_scale(actual, expected, tolerance: float = 1e-5):
+    """Equal up to fp32 rounding relative to the tensor's largest entry: the residual stream of
+    this random target reaches ~400, where the batches' different sums differ by ~1e-3."""
+    scale = expected.abs().max()
+    torch.testing.assert_close(actual / scale, expected / scale, atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("batch_size", [3, 9])
+def test_captured_features_equal_a_full_forward(target, batch_size):
+    model, aux = target.model, target.spec.aux_layer_ids
+    prompts, eos = prompts_and_eos(model)
+    plain = greedy_generate(model, prompts, MAX_NEW_TOKENS, eos, batch_size=batch_size)
+    capture = FeatureCapture(model, aux, TOP_K)
+    answers = greedy_generate(model, prompts, MAX_NEW_TOKENS, eos, batch_size=batch_size, capture=capture)
+    assert answers == plain  # feeding each answer's last token once more changes no answer
+    assert len({len(a) for a in answers}) > 2 and min(len(a) for a in answers) == 1
+
+    sequences = [prompt + answer for prompt, answer in zip(prompts, answers, strict=True)]
+    samples = [TokenizedConversation(str(i), tuple(s), (1,) * len(s)) for i, s in enumerate(sequences)]
+    reference = extract_features(target, collate(samples, 0), aux, top_k=TOP_K)
+    for index, sequence in enumerate(sequences):
+        captured = capture.pop(index)
+        length = len(sequence)
+        assert captured.hidden.shape == (length, target.spec.hidden_size)
+        assert_close_to_scale(captured.hidden, reference.hidden[index, :length])
+        assert_close_to_scale(captured.aux, reference.aux[index, :length])
+        assert_close_to_scale(captured.topk_probs, reference.topk_probs[index, :length])
+        assert torch.equal(captured.topk_ids, reference.topk_ids[index, :length])
+    assert not capture._pieces  # every sequence handed over once
+
+
+def test_without_aux_or_top_k_only_hidden_states(target):
+    model = target.model
+    prompts, eos = prompts_and_eos(model, 4)
+    capture = FeatureCapture(model)
+    answers = greedy_generate(model, prompts, MAX_NEW_TOKENS, eos, batch_size=2, capture=capture)
+    captured = capture.pop(1)
+    assert captured.aux is None and captured.topk_ids is None and captured.topk_probs is None
+    assert captured.hidden.shape[0] == len(prompts[1]) + len(answers[1])
+    # hooks are gone after the generation
+    assert not model.get_decoder()._forward_hooks and not model.get_decoder().layers[1]._forward_pre_hooks
+
+
+def test_aux_layer_out_of_range(target):
+    with pytest.raises(ValueError, match="aux layer id 9 out of range"):
+        FeatureCapture(target.model, (9,))
