@@ -39,6 +39,8 @@ import torch
 from tqdm.auto import tqdm
 
 from specdraft.data.atomic import SettingsMismatch, append_durably, check_or_store_settings, write_json_atomic
+from specdraft.data.cache import CapturedCacheWriter, CapturedSample, StoredFields
+from specdraft.data.capture import FeatureCapture
 from specdraft.data.conversations import Conversation
 from specdraft.data.generate import greedy_generate
 from specdraft.data.target import Target
@@ -70,7 +72,10 @@ class GenerationSettings:
 
 
 class TargetResponder:
-    """Answers with the built-in target, ``batch_size`` rows at a time."""
+    """Answers with the built-in target, ``batch_size`` rows at a time. With ``capture`` (greedy
+    only) it also keeps the target features of each answered prompt + answer (data/capture.py):
+    after a call, ``captured[i]`` holds history i's (input_ids, loss_mask, features), None where
+    it was not answered."""
 
     def __init__(
         self,
@@ -78,8 +83,14 @@ class TargetResponder:
         settings: GenerationSettings,
         batch_size: int = 16,
         max_prompt_tokens: int = 2048,
+        capture: StoredFields | None = None,
     ) -> None:
-        self.target, self.settings = target, settings
+        if capture is not None and settings.temperature != 0:
+            raise ValueError(
+                "features are captured during greedy regeneration only (generation.temperature=0)"
+            )
+        self.target, self.settings, self.capture = target, settings, capture
+        self.captured: list[tuple[list[int], list[int], Any] | None] = []
         self.batch_size = batch_size
         self.max_prompt_tokens = min(max_prompt_tokens, target.spec.max_position_embeddings)
         self.description = {
@@ -113,6 +124,12 @@ class TargetResponder:
         spec, settings = self.target.spec, self.settings
         pad_id = spec.pad_token_id if spec.pad_token_id is not None else spec.eos_token_ids[0]
         if settings.temperature == 0:
+            fields = self.capture
+            capture = (
+                FeatureCapture(self.target.model, fields.aux_layer_ids, fields.top_k)
+                if fields is not None
+                else None
+            )
             new_tokens = greedy_generate(
                 self.target.model,
                 [prompts[i] for i in order],
@@ -120,8 +137,15 @@ class TargetResponder:
                 spec.eos_token_ids,
                 self.batch_size,
                 pad_id,
+                capture=capture,
             )
             self._decode_answers(order, new_tokens, answers)
+            if capture is not None:
+                self.captured = [None] * len(histories)
+                for row, (index, tokens) in enumerate(zip(order, new_tokens, strict=True)):
+                    prompt = prompts[index]
+                    mask = [0] * len(prompt) + [1] * len(tokens)  # the answer, its end token included
+                    self.captured[index] = (prompt + tokens, mask, capture.pop(row))
             return answers
         for batch_number, start in enumerate(range(0, len(order), self.batch_size)):
             indices = order[start : start + self.batch_size]
@@ -294,12 +318,20 @@ def regenerate(
     chunk_size: int = 64,
     progress: bool = True,
     max_turns: int | None = None,
+    features: CapturedCacheWriter | None = None,
 ) -> RegenReport:
     """Regenerate the assistant turns of ``conversations`` into ``out_path`` (resumable).
     ``max_turns``: answer only the first N user turns of each conversation (None: all); the
-    conversation ends after them."""
+    conversation ends after them. ``features``: also write the target features the responder
+    captured (a :class:`TargetResponder` with ``capture``; first turns only), one shard per chunk,
+    written before the chunk counts as done; their caches are finished at the end."""
     if max_turns is not None and max_turns < 1:
         raise ValueError(f"max_turns must be >= 1 or None, got {max_turns}")
+    if features is not None and (max_turns != 1 or getattr(responder, "capture", None) is None):
+        raise ValueError(
+            "captured features need max_turns=1 and the target backend capturing them (a later turn's "
+            "prompt holds the earlier answers as re-tokenized text, not as the ids generated)"
+        )
     out_path = Path(out_path)
     header = {
         "format_version": REGEN_FORMAT_VERSION,
@@ -313,6 +345,13 @@ def regenerate(
     }
     if max_turns is not None:  # absent when answering every turn: older outputs stay resumable
         header["max_turns"] = max_turns
+    if features is not None:
+        header["features"] = {
+            "dirs": {split: str(d) for split, d in sorted(features.dirs.items())},
+            "fields": features.fields.to_dict(),
+            "heldout_fraction": features.heldout_fraction,
+            "split_seed": features.split_seed,
+        }
     try:
         check_or_store_settings(out_path.with_name(out_path.name + ".meta.json"), header)
     except SettingsMismatch as error:
@@ -331,6 +370,8 @@ def regenerate(
             records = _regenerate_chunk(
                 chunks[chunk_index], responder, settings.seed, chunk_index, report, bar, max_turns
             )
+            if features is not None:  # before the chunk is recorded as done
+                features.write_chunk(chunk_index, _captured_samples(chunks[chunk_index], records, responder))
             lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
             append_durably(out_path, lines)
             position = {"chunks_done": chunk_index + 1, "bytes": position["bytes"] + len(lines)}
@@ -341,7 +382,26 @@ def regenerate(
             bar.set_postfix(tokens_per_s=f"{tokens / max(elapsed, 1e-9):.0f}")
     report.seconds = time.perf_counter() - started
     report.generated_tokens = responder.generated_tokens - tokens_before
+    if features is not None:
+        features.finish(len(chunks))
     return report
+
+
+def _captured_samples(
+    chunk: Sequence[Conversation], records: Sequence[dict[str, Any]], responder: TargetResponder
+) -> list[CapturedSample]:
+    """The captured samples of a first-turn chunk's written records, in chunk order: the
+    responder's one call for the chunk answered its conversations in chunk order."""
+    answered = {record["id"] for record in records}
+    asked = [c for c in chunk if _user_turns(c, 1)]
+    if not asked:  # the responder was not called for this chunk
+        return []
+    samples = []
+    for conversation, captured in zip(asked, responder.captured, strict=True):
+        if conversation.id in answered:
+            input_ids, loss_mask, found = captured
+            samples.append(CapturedSample(conversation.id, input_ids, loss_mask, found))
+    return samples
 
 
 def _regenerate_chunk(

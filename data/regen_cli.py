@@ -3,6 +3,7 @@
 specdraft-regen limit=1000                             # SmolLM2 re-answers 1,000 ShareGPT conversations
 specdraft-regen generation.temperature=0.7 generation.top_p=0.9
 specdraft-regen backend=openai openai.base_url=http://localhost:8000/v1 openai.model=my-model
+specdraft-regen max_turns=1 features.dir=outputs/features/own features.top_k=10   # + captured feature caches
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from specdraft.data.cache import CapturedCacheWriter, StoredFields
 from specdraft.data.conversations import select_conversations
 from specdraft.data.errors import user_errors
 from specdraft.data.hardware import start
@@ -40,6 +42,9 @@ def main(cfg: DictConfig) -> None:
     source = instantiate(cfg.data.source)
     data = OmegaConf.to_container(cfg.data, resolve=True)
     conversations, description = select_conversations(source.conversations, data, cfg.split, cfg.limit)
+    if cfg.features.dir is not None and cfg.backend != "target":
+        raise ValueError("features.dir: features are captured by the target backend only (backend=target)")
+    writer = None
     if cfg.backend == "target":
         target = instantiate(cfg.target)
         if cfg.packed_weights:
@@ -51,7 +56,19 @@ def main(cfg: DictConfig) -> None:
         chunk_size = resolve_chunk_size(cfg.chunk_size, batch_size, rules)
         log.info("regen: %d rows per batch (batch_size %s), %d conversations per chunk (chunk_size %s)",
                  batch_size, cfg.batch_size, chunk_size, cfg.chunk_size)  # fmt: skip
-        responder = TargetResponder(target, settings, batch_size, cfg.max_prompt_tokens)
+        fields = None
+        if cfg.features.dir is not None:
+            aux = tuple(target.spec.aux_layer_ids) if cfg.features.aux_layers else ()
+            fields = StoredFields(aux, cfg.features.top_k)
+            writer = CapturedCacheWriter(
+                {split: Path(cfg.features.dir) / split for split in ("train", "heldout")},
+                target,
+                fields,
+                cfg.features.heldout_fraction,
+                cfg.features.split_seed,
+                {"captured_by": "specdraft-regen", "regen": str(cfg.out_path), **description},
+            )
+        responder = TargetResponder(target, settings, batch_size, cfg.max_prompt_tokens, fields)
     elif cfg.backend == "openai":
         chunk_size = resolve_chunk_size(cfg.chunk_size, cfg.openai.concurrency, AutoBatch(**cfg.auto))
         api_key = os.environ.get(cfg.openai.api_key_env) if cfg.openai.api_key_env else None
@@ -77,6 +94,7 @@ def main(cfg: DictConfig) -> None:
         chunk_size,
         cfg.progress,
         cfg.max_turns,
+        writer,
     )
     if not Path(cfg.out_path).stat().st_size:
         raise SystemExit(

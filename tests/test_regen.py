@@ -7,7 +7,10 @@ from typing import ClassVar
 import pytest
 import torch
 
-from specdraft.data.conversations import Conversation, Message, read_jsonl
+from specdraft.data.cache import CapturedCacheWriter, FeatureCache, StoredFields
+from specdraft.data.chat import TokenizedConversation
+from specdraft.data.conversations import Conversation, Message, is_heldout, read_jsonl
+from specdraft.data.features import collate, extract_features
 from specdraft.data.regen import (
     AutoBatch,
     GenerationSettings,
@@ -273,3 +276,92 @@ def test_auto_chunk_size_holds_a_few_batches():
     assert resolve_chunk_size(10, 256, RULES) == 10
     with pytest.raises(ValueError, match="chunk_size must be >= 1 or 'auto'"):
         resolve_chunk_size(-1, 256, RULES)
+
+
+def captured_run(tmp_path, name, responder_class=TargetResponder, heldout_fraction=0.3):
+    """First turns of 7 conversations in chunks of 2, greedy, features captured."""
+    target = tiny_random_target(initializer_range=0.5)
+    settings = GenerationSettings(temperature=0.0, max_new_tokens=8, seed=3)
+    fields = StoredFields(target.spec.aux_layer_ids, top_k=4)
+    dirs = {split: tmp_path / name / split for split in ("train", "heldout")}
+    writer = CapturedCacheWriter(dirs, target, fields, heldout_fraction, 1, {"d": 1})
+    responder = responder_class(target, settings, batch_size=3, capture=fields)
+    convs = conversations(7)
+    regenerate(convs, responder, tmp_path / f"{name}.jsonl", settings, {"d": 1}, 2, False, 1, writer)
+    return target, fields, dirs
+
+
+def test_captured_features_are_caches_of_the_generated_tokens(tmp_path):
+    target, fields, dirs = captured_run(tmp_path, "run")
+    records = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    caches = {split: FeatureCache(d, target.spec, fields) for split, d in dirs.items()}
+    assert len(caches["train"]) + len(caches["heldout"]) == len(records) == 7
+    assert len(caches["heldout"]) > 0 and len(caches["train"]) > 0
+    assert caches["heldout"].sample_ids == [r["id"] for r in records if is_heldout(r["id"], 0.3, 1)]
+    for cache in caches.values():
+        for index in range(len(cache)):
+            sample = cache[index]
+            record = next(r for r in records if r["id"] == cache.sample_ids[index])
+            prompt = target.tokenizer.apply_chat_template(
+                record["messages"][:1], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+            answer = sample["input_ids"][len(prompt) :].tolist()
+            assert sample["input_ids"][: len(prompt)].tolist() == prompt
+            assert (
+                target.tokenizer.decode(answer, skip_special_tokens=True).strip()
+                == record["messages"][1]["content"]
+            )
+            assert sample["loss_mask"].tolist() == [0] * len(prompt) + [1] * len(answer)
+            tokens = TokenizedConversation(
+                "x", tuple(sample["input_ids"].tolist()), tuple(sample["loss_mask"].tolist())
+            )
+            expected = extract_features(target, collate([tokens], 0), fields.aux_layer_ids, fields.top_k)
+            for name in ("hidden", "aux", "topk_probs"):
+                expected_value = getattr(expected, name)[0]
+                scale = expected_value.abs().max()
+                torch.testing.assert_close(sample[name] / scale, expected_value / scale, atol=5e-5, rtol=0)
+            assert torch.equal(sample["topk_ids"], expected.topk_ids[0])
+
+
+class CrashingCaptureResponder(TargetResponder):
+    """Dies (like a kill) on its third call, after two chunks were written."""
+
+    calls = 0
+
+    def __call__(self, histories, seed):
+        if self.calls == 2:
+            raise KeyboardInterrupt
+        self.calls += 1
+        return super().__call__(histories, seed)
+
+
+def test_captured_features_resume_to_what_an_uninterrupted_run_writes(tmp_path):
+    _, _, reference = captured_run(tmp_path, "reference")
+    with pytest.raises(KeyboardInterrupt):
+        captured_run(tmp_path, "resumed", CrashingCaptureResponder)
+    resumed_dirs = {split: tmp_path / "resumed" / split for split in ("train", "heldout")}
+    assert not (resumed_dirs["train"] / "manifest.json").exists()  # unfinished: no manifest
+    (resumed_dirs["train"] / ".shard-00002.safetensors.junk").write_bytes(b"half a shard")
+    _, _, resumed = captured_run(tmp_path, "resumed")
+    for split in ("train", "heldout"):
+        names = sorted(p.name for p in reference[split].iterdir())
+        assert sorted(p.name for p in resumed[split].iterdir()) == names
+        for name in names:
+            expected = (reference[split] / name).read_bytes()
+            if name in ("plan.json", "manifest.json"):  # the regen path differs in the source
+                expected = expected.replace(b"reference.jsonl", b"resumed.jsonl")
+            assert (resumed[split] / name).read_bytes() == expected, name
+
+
+def test_captured_features_need_first_turns_and_greedy_answers(tmp_path):
+    target = tiny_random_target()
+    fields = StoredFields((), 2)
+    with pytest.raises(ValueError, match="greedy"):
+        TargetResponder(target, SETTINGS, capture=fields)
+    greedy = dataclasses.replace(SETTINGS, temperature=0.0)
+    writer = CapturedCacheWriter(
+        {s: tmp_path / s for s in ("train", "heldout")}, target, fields, 0.1, 1, {"d": 1}
+    )
+    responder = TargetResponder(target, greedy, capture=fields)
+    with pytest.raises(ValueError, match="max_turns=1"):
+        regenerate(conversations(2), responder, tmp_path / "o.jsonl", greedy, {}, 2, False, None, writer)
