@@ -297,7 +297,7 @@ class CapturedCacheWriter:
                 "format_version": CACHE_FORMAT_VERSION,
                 "target": self.spec.to_dict(),
                 "tokenizer_fingerprint": self.fingerprint,
-                "source": {**self.source, "split": split},
+                "source": {**self.source, "cache_split": split},
                 "fields": self.fields.to_dict(),
                 "num_samples": len(samples),
                 "num_tokens": sum(len(s.input_ids) for s in samples),

@@ -311,7 +311,7 @@ def greedy_generate(
             input_ids, attention_mask = left_pad([prompts[i] for i in chosen], pad_token_id, device)
             logits, prefill = _prefill(model, input_ids, attention_mask)
             if capture is not None:
-                capture.prefill(chosen, attention_mask)
+                capture.prefill(chosen, attention_mask, logits)
             slots.load(torch.tensor(free, device=device), prefill, attention_mask)
             for row, index in zip(free, chosen, strict=True):
                 owner[row] = index

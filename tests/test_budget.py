@@ -70,6 +70,21 @@ def test_the_plan_fills_the_budget_less_its_margin_and_splits_it_as_configured()
     )
 
 
+def test_features_captured_by_regeneration_cost_no_cache_stages():
+    computed, captured = plan(), plan(captured=True)
+    assert list(captured.eta_s) == ["probe", "regen", "train", "export", "eval"]
+    budget_s, fixed_s = 45 * 60, THROUGHPUT.probe_s + 4 * THROUGHPUT.startup_s + 0.2 * 45 * 60
+    # per conversation only its answer: 0.8 × (0.1 + 190 × 0.4 / 32) s
+    assert captured.conversations == int(0.5 * (0.95 * budget_s - fixed_s) / (0.8 * (0.1 + 190 * 0.4 / 32)))
+    assert captured.conversations > computed.conversations
+    assert captured.eta_s["regen"] - 12.0 == pytest.approx(
+        captured.conversations * 0.8 * (0.1 + 190 * 0.4 / 32),
+        abs=0.1,  # ETAs in tenths of a second
+    )
+    with pytest.raises(ValueError, match="captured needs self_distill"):
+        plan(captured=True, self_distill=False)
+
+
 def test_faster_regeneration_buys_conversations_and_a_bigger_budget_buys_both():
     base = plan()
     faster = plan(throughput=replace(THROUGHPUT, regen_step_s=0.2))

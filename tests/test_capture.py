@@ -55,8 +55,11 @@ def test_captured_features_equal_a_full_forward(target, batch_size):
         assert captured.hidden.shape == (length, target.spec.hidden_size)
         assert_close_to_scale(captured.hidden, reference.hidden[index, :length])
         assert_close_to_scale(captured.aux, reference.aux[index, :length])
-        assert_close_to_scale(captured.topk_probs, reference.topk_probs[index, :length])
-        assert torch.equal(captured.topk_ids, reference.topk_ids[index, :length])
+        # the top-k from the prompt's last position on (where objectives read it), zero before
+        read = slice(len(prompts[index]) - 1, length)
+        assert_close_to_scale(captured.topk_probs[read], reference.topk_probs[index, read])
+        assert torch.equal(captured.topk_ids[read], reference.topk_ids[index, read])
+        assert not captured.topk_probs[: read.start].any() and not captured.topk_ids[: read.start].any()
     assert not capture._pieces  # every sequence handed over once
 
 

@@ -34,9 +34,29 @@ def stage_overrides(stage: str, *overrides: str) -> str:
     return f"overrides.{stage}=[{','.join(repr(o) for o in overrides)}]"
 
 
-def test_each_stage_reads_what_the_previous_one_wrote(tmp_path):
-    cfg = compose_quickstart(f"paths.log_dir={tmp_path}", f"eval.mt_bench={tmp_path}/missing.jsonl")
+def test_regeneration_captures_the_features_training_reads(tmp_path):
+    cfg = compose_quickstart(f"paths.log_dir={tmp_path}")
     by_name = {stage.name: stage for stage in stages(cfg, PLAN)}
+    assert list(by_name) == ["regen", "train", "export", "eval"]  # no cache stages
+    regen, train = by_name["regen"], by_name["train"]
+    features = f"{tmp_path}/quickstart/features/regen-700-captured"
+    assert value(regen, "features.dir") == features
+    assert value(train, "datamodule.train_cache") == f"{features}/train"
+    assert value(train, "datamodule.val_cache") == f"{features}/heldout"
+    assert value(regen, "features.top_k") == str(cfg.top_k)
+    assert value(regen, "features.aux_layers") == str(cfg.aux_layers)
+    assert value(regen, "features.heldout_fraction") == str(cfg.heldout_fraction)
+    assert value(regen, "features.split_seed") == str(cfg.split_seed)
+    # answers with their features are this quickstart's own, not shared through regen.dir
+    assert value(regen, "out_path") == f"{tmp_path}/quickstart/regen-700.jsonl"
+
+
+def test_each_stage_reads_what_the_previous_one_wrote(tmp_path):
+    cfg = compose_quickstart(
+        f"paths.log_dir={tmp_path}", f"eval.mt_bench={tmp_path}/missing.jsonl", "capture_features=false"
+    )
+    by_name = {stage.name: stage for stage in stages(cfg, PLAN)}
+    assert not any(o.startswith("features.") for o in by_name["regen"].overrides)
     assert list(by_name) == ["regen", "cache train", "cache heldout", "train", "export", "eval"]
     assert value(by_name["cache train"], "data.source.path") == value(by_name["regen"], "out_path")
     assert value(by_name["regen"], "max_turns") == "1"
@@ -95,7 +115,9 @@ def run_with_instant_stages(cfg, planned_now: bool) -> tuple[Plan, list[list[str
 
 
 def test_training_gets_the_time_the_stages_before_it_saved_once(tmp_path):
-    cfg = compose_quickstart(f"paths.log_dir={tmp_path}", f"eval.mt_bench={tmp_path}/missing.jsonl")
+    cfg = compose_quickstart(
+        f"paths.log_dir={tmp_path}", f"eval.mt_bench={tmp_path}/missing.jsonl", "capture_features=false"
+    )
     ran, commands = run_with_instant_stages(cfg, planned_now=True)
     # regen, cache train and cache heldout took ~0 s of their 710 s of ETA: 2 s per step
     assert 321 + 354 <= ran.train_steps <= 321 + 355
@@ -108,7 +130,7 @@ def test_training_gets_the_time_the_stages_before_it_saved_once(tmp_path):
     # A resumed quickstart (the plan made earlier: the stages before training may have been
     # skipped as finished) and steps the user fixed are not resized.
     assert run_with_instant_stages(cfg, planned_now=False)[0] == PLAN
-    fixed = compose_quickstart(f"paths.log_dir={tmp_path}", "train_steps=321")
+    fixed = compose_quickstart(f"paths.log_dir={tmp_path}", "train_steps=321", "capture_features=false")
     fixed_plan, fixed_commands = run_with_instant_stages(fixed, planned_now=True)
     assert fixed_plan == PLAN
     # Sized steps end at their deadline (the plan's, resized with them); fixed ones run as given.
@@ -183,7 +205,8 @@ def test_the_quickstart_runs_end_to_end_and_resumes_on_the_tiny_target(tmp_path)
         "head_tree_small",
         "head_tree_eagle2",
     }
-    regen = tmp_path / "regen" / "quickstart-train-30.jsonl"
+    regen = out / "regen-30.jsonl"  # with the features captured as it answered
+    assert (out / "features" / "regen-30-captured" / "train" / "manifest.json").is_file()
     regen_bytes, report_bytes = regen.read_bytes(), report.read_bytes()
 
     second = subprocess.run(command, capture_output=True, text=True, check=False)

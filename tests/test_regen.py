@@ -316,11 +316,14 @@ def test_captured_features_are_caches_of_the_generated_tokens(tmp_path):
                 "x", tuple(sample["input_ids"].tolist()), tuple(sample["loss_mask"].tolist())
             )
             expected = extract_features(target, collate([tokens], 0), fields.aux_layer_ids, fields.top_k)
-            for name in ("hidden", "aux", "topk_probs"):
-                expected_value = getattr(expected, name)[0]
+            read = slice(len(prompt) - 1, None)  # the top-k where objectives read it
+            for name, rows in (("hidden", slice(None)), ("aux", slice(None)), ("topk_probs", read)):
+                expected_value = getattr(expected, name)[0, rows]
                 scale = expected_value.abs().max()
-                torch.testing.assert_close(sample[name] / scale, expected_value / scale, atol=5e-5, rtol=0)
-            assert torch.equal(sample["topk_ids"], expected.topk_ids[0])
+                torch.testing.assert_close(
+                    sample[name][rows] / scale, expected_value / scale, atol=5e-5, rtol=0
+                )
+            assert torch.equal(sample["topk_ids"][read], expected.topk_ids[0, read])
 
 
 class CrashingCaptureResponder(TargetResponder):

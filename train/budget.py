@@ -40,6 +40,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from specdraft.data.cache import StoredFields, write_cache
+from specdraft.data.capture import FeatureCapture
 from specdraft.data.chat import TokenizedConversation, tokenize_conversations
 from specdraft.data.conversations import Conversation, split_conversations
 from specdraft.data.features import length_batches, pad_token_id
@@ -198,19 +199,22 @@ def make_plan(
     conversations: int | None = None,
     train_steps: int | None = None,
     eval_minutes: float | None = None,
+    captured: bool = False,
 ) -> Plan:
     """Size conversations, optimizer steps and the eval's time box to fit ``budget_minutes``.
 
     Explicit ``conversations`` / ``train_steps`` / ``eval_minutes`` are kept as given (and the
-    ETAs say what they cost); the others are sized from the time left. Raises BudgetError when
-    the sized stages fall below ``rules.min_*``."""
+    ETAs say what they cost); the others are sized from the time left. ``captured``: regeneration
+    captures the features as it answers (its probe timed it so), so there are no cache stages.
+    Raises BudgetError when the sized stages fall below ``rules.min_*``."""
+    if captured and not self_distill:
+        raise ValueError("features are captured during regeneration: captured needs self_distill")
     t = throughput
     budget_s = budget_minutes * SECONDS_PER_MINUTE
     eval_s = eval_minutes * SECONDS_PER_MINUTE if eval_minutes is not None else rules.eval_share * budget_s
     stage_names = [
         *(["regen"] if self_distill else []),
-        "cache train",
-        "cache heldout",
+        *([] if captured else ["cache train", "cache heldout"]),
         "train",
         "export",
         "eval",
@@ -219,13 +223,15 @@ def make_plan(
     left_s = (1 - rules.margin) * budget_s - fixed_s
 
     # Seconds per requested conversation: its answer (prefill + decoding at regen_rows rows), then
-    # its features (prompt + answer tokens). Prompts too long to answer cost (almost) nothing.
+    # its features (prompt + answer tokens) unless the answer captured them. Prompts too long to
+    # answer cost (almost) nothing.
     answered = t.answered_fraction
     regen_s = 0.0
     if self_distill:
         regen_s = answered * (t.regen_prefill_s + rules.answer_tokens * t.regen_step_s / t.regen_rows)
     tokens = answered * (t.prompt_tokens + rules.answer_tokens) if self_distill else t.conversation_tokens
-    per_conversation_s = regen_s + tokens / t.cache_tokens_per_s
+    features_s = 0.0 if captured else tokens / t.cache_tokens_per_s
+    per_conversation_s = regen_s + features_s
     sized_conversations, sized_steps = conversations is None, train_steps is None
     if conversations is None:
         conversations = min(
@@ -265,8 +271,9 @@ def make_plan(
     eta = {}
     if self_distill:
         eta["regen"] = t.startup_s + conversations * regen_s
-    eta["cache train"] = t.startup_s + (conversations - heldout) * tokens / t.cache_tokens_per_s
-    eta["cache heldout"] = t.startup_s + heldout * tokens / t.cache_tokens_per_s
+    if not captured:
+        eta["cache train"] = t.startup_s + (conversations - heldout) * features_s
+        eta["cache heldout"] = t.startup_s + heldout * features_s
     fit_s = train_steps * t.train_step_s + train_steps // val_check_interval * validation_s
     eta["train"] = t.startup_s + fit_s + final_val_s
     eta["export"] = t.startup_s
@@ -526,20 +533,29 @@ def _probe_regen(
     batch = answered[:rows]
     pad_id = pad_token_id(target.spec)
     never_stop: tuple[int, ...] = ()  # every row decodes every step, as in a full batch
+    features = regen_cfg.features
+    aux = tuple(target.spec.aux_layer_ids) if features.aux_layers else ()
+
+    def capture() -> FeatureCapture | None:
+        """What specdraft-regen keeps of each step when it captures the features."""
+        return FeatureCapture(target.model, aux, features.top_k) if features.dir is not None else None
 
     # Warm-up at the batch's shapes (allocations, kernel choices) on short prompts: cheap. The
     # one-prompt prefills below take their median: the first pays for its own shapes.
-    greedy_generate(target.model, [p[:PROBE_WARMUP_TOKENS] for p in batch], 2, never_stop, rows, pad_id)
+    warmup = [p[:PROBE_WARMUP_TOKENS] for p in batch]
+    greedy_generate(target.model, warmup, 2, never_stop, rows, pad_id, capture=capture())
     stamps: list[float] = []
     greedy_generate(
         target.model, batch, 1 + settings.regen_new_tokens, never_stop, rows, pad_id,
-        on_step=lambda _: stamps.append(time.perf_counter()),
+        on_step=lambda _: stamps.append(time.perf_counter()), capture=capture(),
     )  # fmt: skip
     step_s = statistics.median(b - a for a, b in pairwise(stamps))
     prefill_s = []
     for prompt in batch[:PROBE_PREFILL_PROMPTS]:
         started = time.perf_counter()
-        greedy_generate(target.model, [prompt], 1, never_stop, 1, pad_id)  # its prefill and first token
+        greedy_generate(
+            target.model, [prompt], 1, never_stop, 1, pad_id, capture=capture()
+        )  # prefill + 1 token
         prefill_s.append(time.perf_counter() - started)
     return (
         len(batch),
@@ -692,6 +708,8 @@ def describe(plan: Plan, throughput: Throughput, hardware: str, eval_what: str, 
     if self_distill:
         rate = t.regen_rows / t.regen_step_s
         detail["regen"] = f"{plan.conversations} conversations ({rate:,.0f} tokens/s at {t.regen_rows} rows)"
+        if "cache train" not in plan.eta_s:
+            detail["regen"] += ", their features captured as they are answered"
     else:
         detail["cache train"] = f"{plan.conversations} conversations; " + detail["cache train"]
     for name, seconds in plan.eta_s.items():

@@ -265,6 +265,11 @@ def planned_assistant_counts(cache: Path, target: Target) -> Tensor:
     names and tokenized again, checked against the plan's token hash."""
     plan = json.loads((cache / "plan.json").read_text())
     described = plan["source"]
+    if "captured_by" in described:
+        raise SystemExit(
+            f"{cache}: its features were captured during regeneration ({described['regen']}), on the ids "
+            "generated: only its shards hold its tokens, and they are not on this machine"
+        )
     source = instantiate(described["data"]["source"])
     conversations, _ = select_conversations(
         source.conversations, described["data"], described["split"], described["limit"]

@@ -12,8 +12,10 @@ specdraft commands run as a subprocess (so each is exactly what a user would typ
 resumes on its own: re-running the quickstart skips finished work):
 
 1. ``specdraft-regen``  — the target's own greedy answers to the first user turn of the planned
-   number of ShareGPT prompts (self-distillation; skipped with ``self_distill=false``);
-2. ``specdraft-cache``  — target features (+ top-k) of those conversations, train and held-out;
+   number of ShareGPT prompts (self-distillation; skipped with ``self_distill=false``), and the
+   target features (+ top-k) of prompt and answer captured as it answers, train and held-out;
+2. ``specdraft-cache``  — the features computed afresh (``capture_features=false`` or
+   ``self_distill=false``), train and held-out;
 3. ``specdraft-train experiment=quickstart`` — the head, on the cached features, the planned steps
    (sized ones end at the plan's deadline: resized as training measures its own pace);
 4. ``specdraft-export format=native`` — the head as ``<dir>/head``;
@@ -61,8 +63,8 @@ from specdraft.train.budget import (
 from specdraft.train.callbacks import TrainingDeadline
 
 # What a stored plan was made for: a re-run with any of these changed would need other sizes.
-PLAN_KEYS = ("budget_minutes", "conversations", "train_steps", "self_distill", "experiment", "budget",
-             "heldout_fraction", "regen", "top_k", "aux_layers")  # fmt: skip
+PLAN_KEYS = ("budget_minutes", "conversations", "train_steps", "self_distill", "capture_features",
+             "experiment", "budget", "heldout_fraction", "regen", "top_k", "aux_layers")  # fmt: skip
 
 
 # overrides.train may not set them
@@ -87,7 +89,11 @@ def stages(cfg: DictConfig, plan: Plan) -> list[Stage]:
     out = Path(cfg.dir)
     common = common_overrides(cfg)
     conversations = plan.conversations
+    captured = captures_features(cfg)
+    # Answers alone are shared by quickstarts (regen.dir); answers with their features belong to this one.
     regen_path = Path(cfg.regen.dir) / f"quickstart-train-{conversations}.jsonl"
+    if captured:
+        regen_path = out / f"regen-{conversations}.jsonl"
     if cfg.self_distill:
         data = [
             "data=jsonl",
@@ -97,18 +103,19 @@ def stages(cfg: DictConfig, plan: Plan) -> list[Stage]:
         ]
     else:
         data = [f"data.source.limit={conversations}", f"data.heldout_fraction={cfg.heldout_fraction}"]
-    source = f"{'regen' if cfg.self_distill else 'sharegpt'}-{conversations}"
+    source = f"{'regen' if cfg.self_distill else 'sharegpt'}-{conversations}{'-captured' if captured else ''}"
     features = {split: out / "features" / source / split for split in ("train", "heldout")}
     plan_stages = []
     if cfg.self_distill:
+        features_dir = out / "features" / source if captured else None
         plan_stages.append(
             Stage(
                 "regen",
                 "specdraft-regen",
-                [f"limit={conversations}", *regen_overrides(cfg, regen_path), *common],
+                [f"limit={conversations}", *regen_overrides(cfg, regen_path, features_dir), *common],
             )
         )
-    for split in ("train", "heldout"):
+    for split in () if captured else ("train", "heldout"):
         plan_stages.append(
             Stage(
                 f"cache {split}",
@@ -204,14 +211,30 @@ def common_overrides(cfg: DictConfig) -> list[str]:
     return [f"paths.log_dir={cfg.paths.log_dir}"] + ([f"threads={cfg.threads}"] if cfg.threads else [])
 
 
-def regen_overrides(cfg: DictConfig, out_path: Path) -> list[str]:
-    """specdraft-regen's settings for the quickstart (the probe composes the same)."""
+def captures_features(cfg: DictConfig) -> bool:
+    """Whether regeneration captures the features as it answers (no cache stages)."""
+    return bool(cfg.self_distill and cfg.capture_features)
+
+
+def regen_overrides(cfg: DictConfig, out_path: Path, features_dir: Path | None) -> list[str]:
+    """specdraft-regen's settings for the quickstart (the probe composes the same): with
+    ``features_dir``, it captures the features the cache stages would compute."""
+    features = []
+    if features_dir is not None:
+        features = [
+            f"features.dir={features_dir}",
+            f"features.aux_layers={cfg.aux_layers}",
+            f"features.top_k={cfg.top_k}",
+            f"features.heldout_fraction={cfg.heldout_fraction}",
+            f"features.split_seed={cfg.split_seed}",
+        ]
     return [
         "max_turns=1",
         f"generation.max_new_tokens={cfg.regen.max_new_tokens}",
         f"max_prompt_tokens={cfg.regen.max_prompt_tokens}",
         f"batch_size={cfg.regen.batch_size}",
         f"out_path={out_path}",
+        *features,
         *cfg.overrides.regen,
     ]
 
@@ -334,7 +357,10 @@ def load_or_make_plan(cfg: DictConfig) -> tuple[Plan, Throughput, bool]:
     overrides = common_overrides(cfg)
     regen_cfg = None
     if cfg.self_distill:
-        regen_cfg = compose("regen", [*regen_overrides(cfg, Path(cfg.regen.dir) / "probe.jsonl"), *overrides])
+        # (the probe writes neither file: the paths only make the config the stage's)
+        probe_features = Path(cfg.dir) / "features" / "probe" if captures_features(cfg) else None
+        probe_overrides = regen_overrides(cfg, Path(cfg.regen.dir) / "probe.jsonl", probe_features)
+        regen_cfg = compose("regen", [*probe_overrides, *overrides])
         data_cfg = regen_cfg
     else:
         data_cfg = compose(
@@ -371,7 +397,7 @@ def load_or_make_plan(cfg: DictConfig) -> tuple[Plan, Throughput, bool]:
         shape = TrainShape(cfg.heldout_fraction, cfg.budget.validations, train_cfg.trainer.limit_val_batches)
         plan = make_plan(
             cfg.budget_minutes, throughput, rules, shape, cfg.self_distill,
-            cfg.conversations, cfg.train_steps, eval_minutes,
+            cfg.conversations, cfg.train_steps, eval_minutes, captures_features(cfg),
         )  # fmt: skip
     except (BudgetError, ValueError) as error:
         raise SystemExit(f"quickstart: {error}") from None
