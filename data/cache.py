@@ -227,7 +227,23 @@ class CapturedCacheWriter:
         self.spec, self.fields, self.source = target.spec, fields, source
         self.fingerprint = tokenizer_fingerprint(target.tokenizer)
         self.heldout_fraction, self.split_seed = heldout_fraction, split_seed
-        for directory in self.dirs.values():  # temporary files of a killed run
+
+    def start(self) -> None:
+        """Claim the directories for these settings (``capture.json``; other settings are refused,
+        nothing touched) and remove the temporary files of a killed run."""
+        settings = {
+            "format_version": CACHE_FORMAT_VERSION,
+            "target": self.spec.to_dict(),
+            "source": self.source,
+            "fields": self.fields.to_dict(),
+            "heldout_fraction": self.heldout_fraction,
+            "split_seed": self.split_seed,
+        }
+        for split, directory in self.dirs.items():
+            try:
+                check_or_store_settings(directory / "capture.json", {**settings, "cache_split": split})
+            except SettingsMismatch as error:
+                raise CacheError(f"{error}\nchoose another features.dir or remove this one") from None
             for stale in directory.glob(".shard-*"):
                 stale.unlink(missing_ok=True)
 

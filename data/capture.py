@@ -112,7 +112,7 @@ class FeatureCapture:
                 probs = last_probs.new_zeros(count, self.top_k)
                 ids[-1], probs[-1] = last_ids[row], last_probs[row]
             self._pieces[prompt] = [
-                (hidden[row, piece], aux[row, piece] if aux is not None else None, ids, probs)
+                _to_host(hidden[row, piece], aux[row, piece] if aux is not None else None, ids, probs)
             ]
 
     def step(self, prompts: Sequence[int], rows: Sequence[int], logits: Tensor) -> None:
@@ -122,6 +122,7 @@ class FeatureCapture:
         index = torch.tensor(rows, device=hidden.device)
         hidden, aux = hidden[index, -1], aux[index, -1] if aux is not None else None
         ids, probs = self._topk(logits[index]) if self.top_k else (None, None)
+        hidden, aux, ids, probs = _to_host(hidden, aux, ids, probs)
         for n, prompt in enumerate(prompts):
             self._pieces[prompt].append(
                 (
@@ -137,3 +138,10 @@ class FeatureCapture:
         columns = list(zip(*self._pieces.pop(prompt), strict=True))
         hidden, aux, ids, probs = (None if parts[0] is None else torch.cat(parts) for parts in columns)
         return CapturedFeatures(hidden, aux, ids, probs)
+
+
+def _to_host(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """On the host: a chunk's features (4.6 kB a token on SmolLM2 with its aux layers: 5.6 GB
+    for 4,096 sequences of 300 tokens) would otherwise pile up on the accelerator beside the KV
+    cache sized to fill it. A no-op on a CPU; on a GPU each step syncs with the host already."""
+    return tuple(None if t is None else t.to("cpu") for t in tensors)

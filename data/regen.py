@@ -18,6 +18,11 @@ they end at. Sampling is seeded per (seed, chunk, turn, batch), so a run killed 
 restarted writes exactly what an uninterrupted run writes: on restart the output is cut back to
 the recorded size and the interrupted chunk is generated again. ``<out>.meta.json`` holds the
 settings; a restart with other settings is refused.
+
+Greedy first turns can also keep the target's features as the answers are computed
+(``features``: :class:`~specdraft.data.capture.FeatureCapture` in the generator, written by a
+:class:`~specdraft.data.cache.CapturedCacheWriter` as one shard per chunk before the chunk is
+recorded as done), so that no cache stage runs the target over the same tokens again.
 """
 
 from __future__ import annotations
@@ -356,6 +361,8 @@ def regenerate(
         check_or_store_settings(out_path.with_name(out_path.name + ".meta.json"), header)
     except SettingsMismatch as error:
         raise ValueError(f"{error}\nchoose another out_path or remove the old output") from None
+    if features is not None:
+        features.start()
     chunks = [conversations[i : i + chunk_size] for i in range(0, len(conversations), chunk_size)]
     progress_path = out_path.with_name(out_path.name + ".progress.json")
     position = _resume_point(out_path, progress_path)

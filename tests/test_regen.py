@@ -7,7 +7,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from specdraft.data.cache import CapturedCacheWriter, FeatureCache, StoredFields
+from specdraft.data.cache import CacheError, CapturedCacheWriter, FeatureCache, StoredFields
 from specdraft.data.chat import TokenizedConversation
 from specdraft.data.conversations import Conversation, Message, is_heldout, read_jsonl
 from specdraft.data.features import collate, extract_features
@@ -278,8 +278,9 @@ def test_auto_chunk_size_holds_a_few_batches():
         resolve_chunk_size(-1, 256, RULES)
 
 
-def captured_run(tmp_path, name, responder_class=TargetResponder, heldout_fraction=0.3):
-    """First turns of 7 conversations in chunks of 2, greedy, features captured."""
+def captured_run(tmp_path, name, responder_class=TargetResponder, heldout_fraction=0.3, answers=None):
+    """First turns of 7 conversations in chunks of 2, greedy, features captured into
+    ``<name>/{train,heldout}``, the answers into ``<answers or name>.jsonl``."""
     target = tiny_random_target(initializer_range=0.5)
     settings = GenerationSettings(temperature=0.0, max_new_tokens=8, seed=3)
     fields = StoredFields(target.spec.aux_layer_ids, top_k=4)
@@ -287,7 +288,8 @@ def captured_run(tmp_path, name, responder_class=TargetResponder, heldout_fracti
     writer = CapturedCacheWriter(dirs, target, fields, heldout_fraction, 1, {"d": 1})
     responder = responder_class(target, settings, batch_size=3, capture=fields)
     convs = conversations(7)
-    regenerate(convs, responder, tmp_path / f"{name}.jsonl", settings, {"d": 1}, 2, False, 1, writer)
+    answers_path = tmp_path / f"{answers or name}.jsonl"
+    regenerate(convs, responder, answers_path, settings, {"d": 1}, 2, False, 1, writer)
     return target, fields, dirs
 
 
@@ -354,6 +356,14 @@ def test_captured_features_resume_to_what_an_uninterrupted_run_writes(tmp_path):
             if name in ("plan.json", "manifest.json"):  # the regen path differs in the source
                 expected = expected.replace(b"reference.jsonl", b"resumed.jsonl")
             assert (resumed[split] / name).read_bytes() == expected, name
+
+
+def test_captured_features_refuse_a_directory_of_other_settings(tmp_path):
+    captured_run(tmp_path, "run")
+    shard = (tmp_path / "run" / "train" / "shard-00000.safetensors").read_bytes()
+    with pytest.raises(CacheError, match="heldout_fraction"):  # answers of their own, same features.dir
+        captured_run(tmp_path, "run", heldout_fraction=0.5, answers="other")
+    assert (tmp_path / "run" / "train" / "shard-00000.safetensors").read_bytes() == shard  # untouched
 
 
 def test_captured_features_need_first_turns_and_greedy_answers(tmp_path):

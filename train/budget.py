@@ -553,9 +553,11 @@ def _probe_regen(
     prefill_s = []
     for prompt in batch[:PROBE_PREFILL_PROMPTS]:
         started = time.perf_counter()
-        greedy_generate(
-            target.model, [prompt], 1, never_stop, 1, pad_id, capture=capture()
-        )  # prefill + 1 token
+        # Not capturing: a capture adds a step feeding the answer's last token, at one row here
+        # but in a stage a row's 1 step in ~110 of a full batch. Captured, the prefills probed 89
+        # ms a prompt (run qs-capture-epyc, which then ran 5 minutes ahead of its ETA) against
+        # 44-57 ms in the three runs before; the prefill's own capture is ~0.1 ms a prompt.
+        greedy_generate(target.model, [prompt], 1, never_stop, 1, pad_id)  # its prefill and first token
         prefill_s.append(time.perf_counter() - started)
     return (
         len(batch),
