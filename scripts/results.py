@@ -104,6 +104,12 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-capture-epyc": (
+        "qs-capture-epyc",
+        "make run (fresh clone of 62c44c2: install + specdraft-quickstart, budget_minutes=45; the "
+        "features captured while regeneration answers, no cache stages) on an AMD EPYC with "
+        "AVX-512-bf16 but no AMX",
+    ),
     "qs-gqa-epyc": (
         "qs-gqa-epyc",
         "make run (fresh clone of c25cd4d: install + specdraft-quickstart, budget_minutes=45; answers "
@@ -302,6 +308,27 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-capture-epyc": (
+        "2026-11-27, `time make run` in a fresh clone of commit 62c44c2 (the first with the features "
+        "captured during regeneration: stages probe, regen, train, export, eval), alone on the "
+        "machine apart from ~2 minutes of a niced unit test during its regeneration: 42:51 wall in "
+        "all, of which the quickstart 42:00 of its 45-minute budget. Its probe read 542 regeneration "
+        "tokens/s at 128 rows (capturing) and prefills of 89 ms a prompt (44-57 ms in the three runs "
+        "before: the probe then timed the capture's extra step at one row, fixed in aca40b8), so it "
+        "planned 4,407 conversations (qs-gqa-epyc: 3,311) and 2,872 steps; regeneration answered "
+        "3,994 (413 dropped as too long) and captured their features in 13:51 against an ETA of "
+        "19:04 (438,475 answer tokens; qs-gqa-epyc: regeneration 11:58 + caching 6:23 for 2,999), "
+        "so training was resized to 3,680 steps, then by its deadline to 3,856 (24:06 of fit, 15.2M "
+        "tokens, 20 passes over 754,910 tokens of 3,702 conversations). Held-out simulated τ 1.74 / "
+        "1.93 / 2.04 / 2.07 / 2.10 at steps 736 / 1,472 / 2,208 / 2,944 / 3,680 (exported) and 2.07 "
+        "for the final weights, on its own held-out split of 292 conversations. The eval took 2:56 "
+        "of its 5:04 box; plain decoding 53.5 tokens/s. τ 2.67 / 2.40 / 2.13 against 2.54 / 2.30 / "
+        "2.05 (qs-gqa-epyc), 2.62 / 2.27 / 2.06 and 2.61 / 2.28 / 2.04 (qs-a128-epyc, "
+        "qs-a128b-epyc): above all three, the 24-node tree by 0.10-0.13, the 12-node one by 0.07-0.09 "
+        "and the 60-node one by 0.05-0.13, against the ±0.08 that tells two heads of one recipe apart "
+        "on 16 turns (more conversations and steps at once: the two are not separated). Outputs "
+        "copied from that clone's run `quickstart` under this run name."
+    ),
     "qs-gqa-epyc": (
         "2026-11-27, `time make run` in a fresh clone of commit c25cd4d (the first `make run` with "
         "answers cut at 128 tokens by default, and plain decoding's one-token attention on stacked "
