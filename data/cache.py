@@ -223,8 +223,14 @@ class CapturedCacheWriter:
     ) -> None:
         if set(dirs) != {"train", "heldout"}:
             raise ValueError(f"captured features need a train and a heldout directory, got {sorted(dirs)}")
+        if not 0.0 <= heldout_fraction < 1.0:
+            raise ValueError(f"features.heldout_fraction must be in [0, 1), got {heldout_fraction}")
         self.dirs = {split: Path(d) for split, d in dirs.items()}
-        self.spec, self.fields, self.source = target.spec, fields, source
+        self.spec, self.fields = target.spec, fields
+        # what a reader needs to know: captured (top-k zero at the prompt's positions before its
+        # last: a cache for training on answers only) and how the conversations were split
+        split = {"heldout_fraction": heldout_fraction, "split_seed": split_seed}
+        self.source = {"captured_by": "specdraft-regen", **source, "split": split}
         self.fingerprint = tokenizer_fingerprint(target.tokenizer)
         self.heldout_fraction, self.split_seed = heldout_fraction, split_seed
 
@@ -240,10 +246,18 @@ class CapturedCacheWriter:
             "split_seed": self.split_seed,
         }
         for split, directory in self.dirs.items():
+            if (directory / "plan.json").is_file() and not (directory / "capture.json").is_file():
+                raise CacheError(
+                    f"{directory} holds a feature cache that specdraft-cache wrote: choose another "
+                    "features.dir (nothing was changed)"
+                )
             try:
                 check_or_store_settings(directory / "capture.json", {**settings, "cache_split": split})
             except SettingsMismatch as error:
                 raise CacheError(f"{error}\nchoose another features.dir or remove this one") from None
+            # A finished cache's manifest is written again by finish(); until then no reader
+            # may take shards being rewritten for a finished cache.
+            (directory / "manifest.json").unlink(missing_ok=True)
             for stale in directory.glob(".shard-*"):
                 stale.unlink(missing_ok=True)
 

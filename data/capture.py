@@ -111,9 +111,9 @@ class FeatureCapture:
                 ids = last_ids.new_zeros(count, self.top_k)
                 probs = last_probs.new_zeros(count, self.top_k)
                 ids[-1], probs[-1] = last_ids[row], last_probs[row]
-            self._pieces[prompt] = [
-                _to_host(hidden[row, piece], aux[row, piece] if aux is not None else None, ids, probs)
-            ]
+            # copies: views would keep the whole padded prefill alive until the prompt is popped
+            kept = (hidden[row, piece], aux[row, piece] if aux is not None else None, ids, probs)
+            self._pieces[prompt] = [tuple(None if t is None else t.clone() for t in _to_host(*kept))]
 
     def step(self, prompts: Sequence[int], rows: Sequence[int], logits: Tensor) -> None:
         """After a one-token step: keep the fed token's features for batch rows ``rows`` answering

@@ -240,6 +240,17 @@ class FeatureDataModule(L.LightningDataModule):
                 for cache in caches:
                     if len(cache) == 0:
                         raise ValueError(f"{split} cache {cache.dir} holds no samples")
+                    if (
+                        "captured_by" in cache.manifest["source"]
+                        and fields.top_k
+                        and self.supervise != "assistant"
+                    ):
+                        raise ValueError(
+                            f"{split} cache {cache.dir} was captured during regeneration: its top-k "
+                            "is stored at the answer's positions and the prompt's last only, so "
+                            f"datamodule.supervise={self.supervise} cannot read it there (use "
+                            "supervise=assistant, or features from specdraft-cache)"
+                        )
                 self.datasets[split] = caches[0] if isinstance(directories, str) else FeatureCaches(caches)
             return
         train, heldout = split_conversations(

@@ -266,8 +266,8 @@ def greedy_generate(
     batch), so the batch stays full until the queue is empty; then ended rows leave it.
 
     prompts  token ids of each prompt (any lengths)
-    on_step  called after each decoding step with the number of rows it advanced (a progress
-             bar, a probe timing the steps)
+    on_step  called after each decoding step with the number of answer tokens it produced (a
+             progress bar, a probe timing the steps)
     window_grain  columns the KV buffers grow and shrink by (:data:`WINDOW_GRAIN`)
     capture  keeps the target features of every prompt + answer token (data/capture.py); each
              answer's last token is then fed once more, for its own features

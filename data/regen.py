@@ -332,10 +332,10 @@ def regenerate(
     written before the chunk counts as done; their caches are finished at the end."""
     if max_turns is not None and max_turns < 1:
         raise ValueError(f"max_turns must be >= 1 or None, got {max_turns}")
-    if features is not None and (max_turns != 1 or getattr(responder, "capture", None) is None):
+    if features is not None and (max_turns != 1 or getattr(responder, "capture", None) != features.fields):
         raise ValueError(
-            "captured features need max_turns=1 and the target backend capturing them (a later turn's "
-            "prompt holds the earlier answers as re-tokenized text, not as the ids generated)"
+            f"captured features need max_turns=1 and the target backend capturing {features.fields} (a "
+            "later turn's prompt holds the earlier answers as re-tokenized text, not as the ids generated)"
         )
     out_path = Path(out_path)
     header = {

@@ -66,7 +66,7 @@ def main(cfg: DictConfig) -> None:
                 fields,
                 cfg.features.heldout_fraction,
                 cfg.features.split_seed,
-                {"captured_by": "specdraft-regen", "regen": str(cfg.out_path), "conversations": description},
+                {"regen": str(cfg.out_path), "conversations": description},
             )
         responder = TargetResponder(target, settings, batch_size, cfg.max_prompt_tokens, fields)
     elif cfg.backend == "openai":

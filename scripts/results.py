@@ -879,7 +879,14 @@ def training_vocab_shortlist(cache: Path) -> list[str]:
     counts ShareGPT's original answers instead: for the quickstart's self-distilled cache only
     4,753 of its 8,192 tokens are in the training vocabulary (measured 2026-11-24)."""
     plan_source = json.loads((cache / "plan.json").read_text())["source"]
-    data = plan_source["data"]
+    if "captured_by" in plan_source:
+        # Features captured during regeneration: its answers, split as the capture split them
+        # (counted from their text tokenized again, where the cache holds the ids generated).
+        data = {**plan_source["conversations"]["data"], **plan_source["split"]}
+        data["source"] = {"_target_": "specdraft.data.conversations.read_jsonl", "path": plan_source["regen"]}
+        plan_source = {"limit": None}
+    else:
+        data = plan_source["data"]
     source = dict(data["source"])
     if source.get("path") and not Path(source["path"]).is_absolute():
         source["path"] = str(ROOT / source["path"])  # the cache's paths are relative to the repo
@@ -1585,6 +1592,13 @@ def cache_source(cache: Path) -> dict | None:
     if plan is None:
         return None
     described = plan["source"]
+    if "captured_by" in described:  # features captured during regeneration
+        return {
+            "reader": described["captured_by"],
+            "file": Path(described["regen"]).name,
+            "split": described["cache_split"],
+            "limit": described["conversations"].get("limit"),
+        }
     source = described.get("data", {}).get("source", {})
     return {
         "reader": source.get("_target_", "").rsplit(".", 1)[-1],

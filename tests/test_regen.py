@@ -10,6 +10,7 @@ import torch
 from specdraft.data.cache import CacheError, CapturedCacheWriter, FeatureCache, StoredFields
 from specdraft.data.chat import TokenizedConversation
 from specdraft.data.conversations import Conversation, Message, is_heldout, read_jsonl
+from specdraft.data.datamodule import FeatureDataModule
 from specdraft.data.features import collate, extract_features
 from specdraft.data.regen import (
     AutoBatch,
@@ -378,3 +379,21 @@ def test_captured_features_need_first_turns_and_greedy_answers(tmp_path):
     responder = TargetResponder(target, greedy, capture=fields)
     with pytest.raises(ValueError, match="max_turns=1"):
         regenerate(conversations(2), responder, tmp_path / "o.jsonl", greedy, {}, 2, False, None, writer)
+
+
+def test_captured_caches_train_the_answers_only_and_keep_to_their_directory(tmp_path):
+    target, fields, dirs = captured_run(tmp_path, "run")
+    caches = {"train_cache": str(dirs["train"]), "val_cache": str(dirs["heldout"])}
+    answers = FeatureDataModule("cached", target, True, 4, **caches)
+    answers.setup("fit")  # the default: supervised where the next token is the answer's
+    everything = FeatureDataModule("cached", target, True, 4, **caches, supervise="all")
+    with pytest.raises(ValueError, match=r"captured during regeneration.*supervise=all"):
+        everything.setup("fit")  # would read the top-k at prompt positions, where it is zero
+    cache_dir = tmp_path / "other" / "train"
+    cache_dir.mkdir(parents=True)
+    (cache_dir / "plan.json").write_text("{}")  # what specdraft-cache writes first
+    writer = CapturedCacheWriter(
+        {"train": cache_dir, "heldout": tmp_path / "other" / "heldout"}, target, fields, 0.3, 1, {"d": 1}
+    )
+    with pytest.raises(CacheError, match="specdraft-cache wrote"):
+        writer.start()

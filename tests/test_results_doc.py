@@ -734,3 +734,27 @@ def test_the_ablation_names_where_its_heads_trained_and_what_its_features_were_m
         "the target's features over the first 2,400 conversations of the train split of `c.jsonl`"
     )
     assert results.features_text(None) == "the quickstart's self-distilled features"
+
+
+def test_the_training_vocabulary_of_captured_features_counts_their_answers(results, tmp_path):
+    """A cache captured during regeneration names its answers and their split, not a source."""
+    cache = tmp_path / "features" / "train"
+    write(
+        cache / "plan.json",
+        {
+            "source": {
+                "captured_by": "specdraft-regen",
+                "regen": "outputs/quickstart/regen-9.jsonl",
+                "conversations": {"data": {"max_length": 2048, "heldout_fraction": 0.02, "split_seed": 0}},
+                "split": {"heldout_fraction": 0.05, "split_seed": 1},
+                "cache_split": "train",
+            }
+        },
+    )
+    overrides = results.training_vocab_shortlist(cache)
+    assert any("read_jsonl" in o and "regen-9.jsonl" in o for o in overrides)
+    assert "shortlist.heldout_fraction=0.05" in overrides and "shortlist.split_seed=1" in overrides
+    assert "shortlist.split_limit=null" in overrides
+    assert results.cache_source(cache) == {
+        "reader": "specdraft-regen", "file": "regen-9.jsonl", "split": "train", "limit": None
+    }  # fmt: skip
