@@ -104,6 +104,12 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-capture2-epyc": (
+        "qs-capture2-epyc",
+        "make run (fresh clone of 0138e28: install + specdraft-quickstart, budget_minutes=45; features "
+        "captured during regeneration, its prefills probed without the capture's extra step) on an AMD "
+        "EPYC with AVX-512-bf16 but no AMX",
+    ),
     "qs-capture-epyc": (
         "qs-capture-epyc",
         "make run (fresh clone of 62c44c2: install + specdraft-quickstart, budget_minutes=45; the "
@@ -308,6 +314,23 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-capture2-epyc": (
+        "2026-11-27, `time make run` in a fresh clone of commit 0138e28, right after a CI run, alone on "
+        "the machine apart from a niced 12-second test during its regeneration: 44:03 wall in all, of "
+        "which the quickstart 43:16 of its 45-minute budget. Its probe read the machine in a fast "
+        "moment: 772 regeneration tokens/s at 128 rows (qs-capture-epyc: 542) and prefills of 47 ms "
+        "a prompt (89 there, with the capture's extra step), so it planned 7,094 conversations and "
+        "3,820 steps; regeneration then ran at 538 tokens/s and answered 6,455 (639 dropped as too "
+        "long) with their features in 22:05 against an ETA of 19:51 (709,186 answer tokens), so "
+        "training was resized to 3,377 steps, then by its deadline to 2,939 (17:26 of fit, 11.6M "
+        "tokens, 9 passes over 1,245,273 tokens of 6,051 conversations). Held-out simulated τ 1.72 / "
+        "1.86 / 2.00 / 2.05 at steps 675 / 1,351 / 2,027 / 2,703 (exported) and 2.03 for the final "
+        "weights, on its own held-out split of 404 conversations. The eval took 2:41 of its 3:39 box; "
+        "plain decoding 54.7 tokens/s. τ 2.63 / 2.37 / 2.12 against qs-capture-epyc's 2.67 / 2.40 / "
+        "2.13 on 1.6× its conversations and 0.76× its steps: within the ±0.08 that tells two heads "
+        "of one recipe apart on 16 turns. Outputs copied from that clone's run `quickstart` under "
+        "this run name."
+    ),
     "qs-capture-epyc": (
         "2026-11-27, `time make run` in a fresh clone of commit 62c44c2 (the first with the features "
         "captured during regeneration: stages probe, regen, train, export, eval), alone on the "
