@@ -98,12 +98,12 @@ def test_unanswerable_turns_end_the_conversation(tmp_path):
 
 
 class CrashingTargetResponder(TargetResponder):
-    """Dies (like a kill) on its fifth call."""
+    """Dies (like a kill) on call number ``dies_at`` (the fifth)."""
 
-    calls = 0
+    calls, dies_at = 0, 5
 
     def __call__(self, histories, seed):
-        if self.calls == 4:
+        if self.calls == self.dies_at - 1:
             raise KeyboardInterrupt
         self.calls += 1
         return super().__call__(histories, seed)
@@ -329,16 +329,10 @@ def test_captured_features_are_caches_of_the_generated_tokens(tmp_path):
             assert torch.equal(sample["topk_ids"][read], expected.topk_ids[0, read])
 
 
-class CrashingCaptureResponder(TargetResponder):
-    """Dies (like a kill) on its third call, after two chunks were written."""
+class CrashingCaptureResponder(CrashingTargetResponder):
+    """Dies on its third call, after two chunks were written."""
 
-    calls = 0
-
-    def __call__(self, histories, seed):
-        if self.calls == 2:
-            raise KeyboardInterrupt
-        self.calls += 1
-        return super().__call__(histories, seed)
+    dies_at = 3
 
 
 def test_captured_features_resume_to_what_an_uninterrupted_run_writes(tmp_path):
