@@ -32,12 +32,21 @@ def prompts_and_eos(model, count: int = 9):
 def assert_close_to_scale(actual, expected, tolerance: float = 1e-5):
     """Equal up to fp32 rounding relative to the tensor's largest entry: the residual stream of
     this random target reaches ~400, where the batches' different sums differ by ~1e-3."""
+    expected = expected.to(actual.device)
     scale = expected.abs().max()
     torch.testing.assert_close(actual / scale, expected / scale, atol=tolerance, rtol=0)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("batch_size", [3, 9])
-def test_captured_features_equal_a_full_forward(target, batch_size):
+def test_captured_features_equal_a_full_forward(target, batch_size, device):
+    """On a GPU too: the capture hands its pieces to the host as it goes (a chunk's features must
+    not pile up beside its KV cache), and they equal the forward on that device."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        target = tiny_random_target(seed=0, initializer_range=0.5)
+        target.model.to(device)
     model, aux = target.model, target.spec.aux_layer_ids
     prompts, eos = prompts_and_eos(model)
     plain = greedy_generate(model, prompts, MAX_NEW_TOKENS, eos, batch_size=batch_size)
@@ -51,6 +60,8 @@ def test_captured_features_equal_a_full_forward(target, batch_size):
     reference = extract_features(target, collate(samples, 0), aux, top_k=TOP_K)
     for index, sequence in enumerate(sequences):
         captured = capture.pop(index)
+        kept = (captured.hidden, captured.aux, captured.topk_ids, captured.topk_probs)
+        assert {t.device.type for t in kept} == {"cpu"}
         length = len(sequence)
         assert captured.hidden.shape == (length, target.spec.hidden_size)
         assert_close_to_scale(captured.hidden, reference.hidden[index, :length])
