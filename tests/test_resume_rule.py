@@ -14,6 +14,7 @@ from specdraft.data.atomic import (
     check_or_store_settings,
     cut_torn_tail,
     setting_differences,
+    write_file_atomic,
 )
 
 
@@ -54,3 +55,20 @@ def test_a_torn_last_line_is_cut_and_complete_lines_are_kept(tmp_path):
         handle.write(b'{"unit": 3, "rec')  # killed mid-append
     assert cut_torn_tail(path) == len(b'{"unit": 3, "rec')
     assert [json.loads(line)["unit"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+def test_a_file_written_through_its_path_replaces_the_old_whole_or_not_at_all(tmp_path):
+    """write_file_atomic (feature shards, which safetensors streams to a file): a writer that
+    fails part-way leaves the old file and no temporary one."""
+    path = tmp_path / "shard.bin"
+    write_file_atomic(path, lambda staging: staging.write_bytes(b"old"))
+
+    def torn(staging):
+        staging.write_bytes(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_file_atomic(path, torn)
+    assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["shard.bin"]
+    write_file_atomic(path, lambda staging: staging.write_bytes(b"new"))
+    assert path.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["shard.bin"]
