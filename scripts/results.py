@@ -47,6 +47,9 @@ Stages (``--stages`` picks some):
   (the earlier ones kept);
 * ``recipe``    — the quickstart head's recipe variants (RECIPE_RUNS, outputs/recipe-gpu) into
   docs/results/recipe_gpu.json;
+* ``gpu_regen`` — ``specdraft-regen`` logs of one GPU session (``--gpu-regen LABEL:COMMIT:LOG …``,
+  oldest code last; ``--gpu-regen-compare``: the captured features against a forward) into
+  docs/results/regen_gpu.json;
 * ``gpu_tests`` — a ``pytest -m gpu -v --durations=N`` log of a GPU session (``--gpu-log LOG
   --gpu-commit SHA --gpu-machine TEXT``) into docs/results/gpu_tests.json, one run per commit;
 * ``doc``       — docs/results.md and its plots from the JSON the stages wrote (the ablation's
@@ -1170,6 +1173,11 @@ def doc(
             "a GPU session: python scripts/results.py --stages recipe doc (RECIPE_RUNS)",
         ),
         (
+            GPU_REGEN_TITLE,
+            gpu_regen_section,
+            "a GPU session: python scripts/results.py --stages gpu_regen doc --gpu-regen LABEL:COMMIT:LOG …",
+        ),
+        (
             GPU_TESTS_TITLE,
             gpu_tests_section,
             "a GPU session: python scripts/results.py --stages gpu_tests doc --gpu-log LOG …",
@@ -1767,6 +1775,8 @@ DECODER_GPU_SNAPSHOT = "decoder_gpu.json"
 DECODER_ROUNDS_TITLE = "## The decoder on one GPU: greedy rounds on the device (a lent H100, third session)"
 DECODER_ROUNDS_SNAPSHOT = "decoder_gpu_rounds.json"
 GPU_TESTS_TITLE = "## `pytest -m gpu` on a lent GPU"
+GPU_REGEN_TITLE = "## Regeneration on one GPU, plain and capturing the features (a lent H100)"
+GPU_REGEN_SNAPSHOT = "regen_gpu.json"
 RECIPE_TITLE = "## Recipe variants of the quickstart's head, side by side on a lent GPU"
 RECIPE_SNAPSHOT = "recipe_gpu.json"
 # The quickstart's EAGLE head (experiment=quickstart: 4,096-token batches, bf16-mixed) trained on the
@@ -2737,6 +2747,69 @@ def gpu_tests_section() -> list[str] | None:
     return lines
 
 
+def gpu_regen(runs: list[str], compare: Path | None, machine: str, command: str) -> None:
+    """docs/results/regen_gpu.json: ``specdraft-regen`` runs of one GPU session on the same
+    conversations, each ``LABEL:COMMIT:LOG`` (tokens/s from the log's summary line, the rows
+    from its batch line where it has one), and ``compare`` (the captured features against a
+    forward over the same ids: .gpu-style JSON with hidden_rel_err_median / _p99, top1_agree)."""
+    measured = []
+    for run in runs:
+        label, commit, log = run.split(":", 2)
+        text = Path(log).read_text()
+        found = REGEN_RATE.findall(text)
+        if not found:
+            raise SystemExit(f"gpu_regen: {log} has no specdraft-regen throughput line")
+        tokens, seconds, rate = found[-1]
+        rows = REGEN_ROWS.findall(text)
+        measured.append(
+            {
+                "label": label,
+                "commit": commit,
+                "tokens": int(tokens),
+                "seconds": int(seconds),
+                "tokens_per_s": float(rate),
+                "rows": int(rows[-1]) if rows else None,
+            }
+        )
+    snapshot = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine,
+        "command": command,
+        "runs": measured,
+        "features_vs_forward": read_json(compare) if compare else None,
+    }
+    write_json_atomic(SNAPSHOTS / GPU_REGEN_SNAPSHOT, snapshot)
+
+
+def gpu_regen_section() -> list[str] | None:
+    snapshot = read_json(SNAPSHOTS / GPU_REGEN_SNAPSHOT)
+    if snapshot is None:
+        return None
+    runs = snapshot["runs"]
+    base = runs[-1]["tokens_per_s"]  # the oldest code, listed last
+    lines = [
+        f"**{snapshot['date']}**, {snapshot['machine']}. {snapshot['command']}",
+        "",
+        f"| run | commit | rows | answer tokens | s | tokens/s | × {runs[-1]['commit']} |",
+        "|---|---|---|---|---|---|---|",
+        *(
+            f"| {r['label']} | {r['commit']} | {r['rows'] or '–'} | {r['tokens']:,} | {r['seconds']} | "
+            f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.2f}× |"
+            for r in runs
+        ),
+        "",
+    ]
+    if found := snapshot.get("features_vs_forward"):
+        lines += [
+            f"The captured features against a forward over the same ids on the GPU ({found['samples']} "
+            f"conversations, {found['answer_positions']:,} answer positions, {found['dtype']}): hidden "
+            f"states' relative error median {found['hidden_rel_err_median']:.2%}, p99 "
+            f"{found['hidden_rel_err_p99']:.2%}; the same top-1 at {found['top1_agree']:.1%} of positions.",
+            "",
+        ]
+    return lines
+
+
 def regen_speed(logs: list[Path], commits: list[str], command: str) -> None:
     """A regeneration measurement alone, added to this machine's training-speed snapshot (whose
     training and earlier regeneration measurements it keeps): ``logs`` of ``specdraft-regen`` at
@@ -3003,7 +3076,12 @@ def main() -> None:
     parser.add_argument("--train-speed-repeats", nargs="*", type=Path, help="more runs, either checkout")
     parser.add_argument("--gpu-log", type=Path, help="stage gpu_tests: a `pytest -m gpu -v` log")
     parser.add_argument("--gpu-commit", help="stage gpu_tests: the commit the log's tests ran at")
-    parser.add_argument("--gpu-machine", help="stage gpu_tests: the GPU, its host and the software")
+    parser.add_argument("--gpu-machine", help="stages gpu_tests, gpu_regen: the GPU, its host, the software")
+    parser.add_argument(
+        "--gpu-regen", nargs="+", metavar="LABEL:COMMIT:LOG", help="stage gpu_regen: regen logs, oldest last"
+    )
+    parser.add_argument("--gpu-regen-compare", type=Path, help="stage gpu_regen: captured vs forward JSON")
+    parser.add_argument("--gpu-regen-command", default="", help="stage gpu_regen: how the runs were made")
     args = parser.parse_args()
     placement = Placement(args.device, args.precision, args.batch_tokens)
     started = time.perf_counter()
@@ -3048,6 +3126,10 @@ def main() -> None:
             if not (args.gpu_log and args.gpu_commit and args.gpu_machine):
                 parser.error("stage gpu_tests needs --gpu-log, --gpu-commit and --gpu-machine")
             gpu_tests(args.gpu_log, args.gpu_commit, args.gpu_machine)
+        elif stage == "gpu_regen":
+            if not (args.gpu_regen and args.gpu_machine):
+                parser.error("stage gpu_regen needs --gpu-regen LABEL:COMMIT:LOG … and --gpu-machine")
+            gpu_regen(args.gpu_regen, args.gpu_regen_compare, args.gpu_machine, args.gpu_regen_command)
         elif stage == "doc":
             doc(args.decoder_provenance, args.mixture_provenance, args.ablation_provenance)
         else:

@@ -421,6 +421,31 @@ def test_a_gpu_test_log_becomes_one_run_per_commit_with_each_outcome_and_call_ti
     assert "| `test_b.py::test_y` | FAILED | 12.5 |" in text and "commit def5678**, H100" in text
 
 
+def test_gpu_regeneration_runs_are_compared_with_the_oldest_listed_last(results, tmp_path):
+    logs = {}
+    for name, rows, tokens, seconds, rate in (("new", 1024, 990, 2, 495.0), ("old", None, 1000, 10, 100.0)):
+        batch = f"regen: {rows} rows per batch (batch_size auto)\n" if rows else ""
+        logs[name] = tmp_path / f"{name}.log"
+        throughput = f"{tokens} tokens in {seconds} s = {rate} tokens/s"
+        logs[name].write_text(f"{batch}out.jsonl: 9 written ({throughput})\n")
+    (tmp_path / "silent.log").write_text("Loading weights\n")
+    with pytest.raises(SystemExit, match=r"silent\.log has no specdraft-regen throughput line"):
+        results.gpu_regen([f"x:abc:{tmp_path / 'silent.log'}"], None, "H100", "how")
+    compare = tmp_path / "compare.json"
+    write(compare, {"samples": 4, "answer_positions": 1200, "dtype": "torch.bfloat16",
+          "hidden_rel_err_median": 0.0, "hidden_rel_err_p99": 0.024, "top1_agree": 0.995})  # fmt: skip
+    runs = [f"auto rows:abc1234:{logs['new']}", f"before:def5678:{logs['old']}"]  # the oldest last
+    results.gpu_regen(runs, compare, "H100", "how")
+    snapshot = json.loads((tmp_path / "docs" / "results" / results.GPU_REGEN_SNAPSHOT).read_text())
+    assert snapshot["runs"][1] == {"label": "before", "commit": "def5678", "tokens": 1000, "seconds": 10,
+                                   "tokens_per_s": 100.0, "rows": None}  # fmt: skip
+    results.doc()
+    text = "\n".join(results.sections(tmp_path / "docs" / "results.md")[results.GPU_REGEN_TITLE])
+    assert "| auto rows | abc1234 | 1024 | 990 | 2 | 495 | 4.95× |" in text
+    assert "| before | def5678 | – | 1,000 | 10 | 100 | 1.00× |" in text and "× def5678 |" in text
+    assert "median 0.00%, p99 2.40%; the same top-1 at 99.5% of positions" in text
+
+
 def test_batch_section_reports_throughput_per_size_and_the_crossover(results, tmp_path):
     def entry(rate, speedup, tau=None, identical=None):
         row = {"rows": 4, "tokens": 512, "wall_s": 512 / rate, "tokens_per_s": rate, "speedup": speedup}
