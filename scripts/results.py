@@ -107,6 +107,11 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-slowday-epyc": (
+        "qs-slowday-epyc",
+        "make run (fresh clone of 337793e: install + specdraft-quickstart, budget_minutes=45; feature "
+        "shards streamed to their files) on an AMD EPYC with AVX-512-bf16 but no AMX, in a slow spell",
+    ),
     "qs-capture2-epyc": (
         "qs-capture2-epyc",
         "make run (fresh clone of 0138e28: install + specdraft-quickstart, budget_minutes=45; features "
@@ -317,6 +322,27 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-slowday-epyc": (
+        "2026-11-27, `time make run` in a fresh clone of commit 337793e (the code of qs-capture2-epyc "
+        "but for feature shards written by safetensors straight to their files), alone on the machine: "
+        "41:37 wall in all, of which the quickstart 40:14 of its 45-minute budget. The machine ran at "
+        "about half its earlier pace all session (plain decoding 28.4 tokens/s against 53.5-54.7; "
+        "1,024 first turns regenerated at 296-333 tokens/s, where 384 took 58 s two days before): its "
+        "probe read 454 regeneration tokens/s at 128 rows and 4,815 training positions/s (~10,000 "
+        "before), so it planned 3,375 conversations, 1,127 steps and a 9-minute eval box. "
+        "Regeneration answered 3,048 (327 dropped as too long) with their features in 18:13 against "
+        "an ETA of 16:51 (332,072 answer tokens at 307 tokens/s, prefills included), so training was "
+        "resized to 1,031 steps; its steps then ran at ~0.66 s against the probe's 0.85, and its "
+        "deadline took it to 1,346 (15:10 of fit, 5.25M tokens, ~9 passes over 566,002 tokens of "
+        "2,806 conversations). Held-out simulated τ 1.49 / 1.65 / 1.76 / 1.84 / 1.87 / 1.91 at steps "
+        "206-1,241 (1,241 exported) and 1.89 for the final weights: below the 2.03-2.10 of the runs "
+        "before (2,939-3,856 steps). The eval took 5:11 of its 9:10 box. τ 2.76 / 2.42 / 2.16 "
+        "nevertheless, against 2.67 / 2.40 / 2.13 and 2.63 / 2.37 / 2.12 (qs-capture-epyc, "
+        "qs-capture2-epyc): the 60-node tree 0.09-0.13 above them, at the edge of the ±0.08 that "
+        "tells two heads of one recipe apart on 16 turns, with a lower held-out τ: not evidence of a "
+        "better head. Speedups 0.78× / 1.13× / 1.41×. Outputs copied from that clone's run "
+        "`quickstart` under this run name."
+    ),
     "qs-capture2-epyc": (
         "2026-11-27, `time make run` in a fresh clone of commit 0138e28, right after a CI run, alone on "
         "the machine apart from a niced 12-second test during its regeneration: 44:03 wall in all, of "
