@@ -2777,7 +2777,7 @@ def gpu_regen(runs: list[str], compare: Path | None, machine: str, command: str)
     """docs/results/regen_gpu.json: ``specdraft-regen`` runs of one GPU session on the same
     conversations, each ``LABEL:COMMIT:LOG`` (tokens/s from the log's summary line, the rows
     from its batch line where it has one), and ``compare`` (the captured features against a
-    forward over the same ids: .gpu-style JSON with hidden_rel_err_median / _p99, top1_agree)."""
+    forward over the same ids: JSON with samples, answer_positions, dtype, hidden_rel_err_median,"""
     measured = []
     for run in runs:
         label, commit, log = run.split(":", 2)
