@@ -2777,7 +2777,8 @@ def gpu_regen(runs: list[str], compare: Path | None, machine: str, command: str)
     """docs/results/regen_gpu.json: ``specdraft-regen`` runs of one GPU session on the same
     conversations, each ``LABEL:COMMIT:LOG`` (tokens/s from the log's summary line, the rows
     from its batch line where it has one), and ``compare`` (the captured features against a
-    forward over the same ids: JSON with samples, answer_positions, dtype, hidden_rel_err_median,"""
+    forward over the same ids: JSON of samples, answer_positions, dtype, hidden_rel_err_median,
+    hidden_rel_err_p99 and top1_agree)."""
     measured = []
     for run in runs:
         label, commit, log = run.split(":", 2)
