@@ -2658,19 +2658,25 @@ REGEN_RATE = re.compile(r"(\d+) tokens in (\d+) s = ([\d.]+) tokens/s")
 REGEN_ROWS = re.compile(r"regen: (\d+) rows per batch")
 
 
+def regen_log_numbers(log: Path, stage: str) -> dict:
+    """tokens, seconds and tokens/s of a ``specdraft-regen`` log's last summary line, and its rows
+    per batch where the log says them."""
+    text = log.read_text()
+    found = REGEN_RATE.findall(text)
+    if not found:
+        raise SystemExit(f"{stage}: {log} has no specdraft-regen throughput line")
+    tokens, seconds, rate = found[-1]
+    numbers: dict = {"tokens": int(tokens), "seconds": int(seconds), "tokens_per_s": float(rate)}
+    if rows := REGEN_ROWS.findall(text):
+        numbers["rows"] = int(rows[-1])
+    return numbers
+
+
 def regen_measurement(logs: list[Path], commits: list[str], command: str) -> dict:
     """Regeneration tokens/s before and after, from two ``specdraft-regen`` logs."""
     measurement: dict = {"command": command, "commits": commits}
     for label, log in zip(("before", "after"), logs, strict=True):
-        text = log.read_text()
-        found = REGEN_RATE.findall(text)
-        if not found:
-            raise SystemExit(f"regen: {log} has no specdraft-regen throughput line")
-        tokens, seconds, rate = found[-1]
-        measurement[label] = {"tokens": int(tokens), "seconds": int(seconds), "tokens_per_s": float(rate)}
-        rows = REGEN_ROWS.findall(text)
-        if rows:
-            measurement[label]["rows"] = int(rows[-1])
+        measurement[label] = regen_log_numbers(log, "regen")
     return measurement
 
 
@@ -2782,22 +2788,8 @@ def gpu_regen(runs: list[str], compare: Path | None, machine: str, command: str)
     measured = []
     for run in runs:
         label, commit, log = run.split(":", 2)
-        text = Path(log).read_text()
-        found = REGEN_RATE.findall(text)
-        if not found:
-            raise SystemExit(f"gpu_regen: {log} has no specdraft-regen throughput line")
-        tokens, seconds, rate = found[-1]
-        rows = REGEN_ROWS.findall(text)
-        measured.append(
-            {
-                "label": label,
-                "commit": commit,
-                "tokens": int(tokens),
-                "seconds": int(seconds),
-                "tokens_per_s": float(rate),
-                "rows": int(rows[-1]) if rows else None,
-            }
-        )
+        numbers = regen_log_numbers(Path(log), "gpu_regen")
+        measured.append({"label": label, "commit": commit, "rows": None, **numbers})
     snapshot = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine,
