@@ -14,6 +14,7 @@ from omegaconf import open_dict
 
 from specdraft.data.target import Target
 from specdraft.data.tiny import tiny_random_target
+from specdraft.train.objective import simulated_tau
 
 
 @pytest.fixture(scope="session")
@@ -99,6 +100,36 @@ def compose_train(run_dir: Path, *overrides: str):
     with open_dict(cfg):
         del cfg.hydra
     return cfg
+
+
+def assert_validated(summary: Mapping) -> None:
+    """A training run's summary reports a simulated τ that its own validation accuracies make:
+    ``val/sim_tau`` = 1 + Σ_k Π_{i≤k} acc_i, each acc a share, and the best checkpoint's τ at
+    least the last validation's. (τ ≥ 1 alone holds by definition and catches nothing.)"""
+    last = summary["last_val"]
+    steps = sorted(int(name.rsplit("_", 1)[1]) for name in last if name.startswith("val/acc_"))
+    assert steps == list(range(1, len(steps) + 1)) and steps, sorted(last)
+    accuracy = [last[f"val/acc_{j}"] for j in steps]
+    assert all(0.0 <= acc <= 1.0 for acc in accuracy), accuracy
+    assert last["val/sim_tau"] == pytest.approx(simulated_tau(accuracy), rel=1e-6)
+    assert summary["best_sim_tau"] >= last["val/sim_tau"] - 1e-6
+
+
+def assert_tau_matches_acceptance(overall: Mapping, turns: int, max_depth: int) -> None:
+    """τ, counted from the tokens a method emitted, agrees with the acceptance its verify steps
+    recorded: each of the F target forwards commits its accepted drafts + 1 token, so the
+    committed tokens τ·F are F + Σ_d α_d·attempts_d, less what a turn's last step cut at
+    max_new_tokens or EOS (at most max_depth a turn)."""
+    forwards = overall["target_forwards"]
+    accepted = sum(
+        rate * attempts
+        for rate, attempts in zip(overall["acceptance_per_depth"], overall["depth_attempts"], strict=True)
+        if rate is not None
+    )
+    assert len(overall["acceptance_per_depth"]) <= max_depth
+    committed = overall["tau"] * forwards
+    assert committed <= forwards + accepted + 1e-6
+    assert forwards + accepted <= committed + turns * max_depth + 1e-6
 
 
 def chain_paths(depth: int) -> list[tuple[int, ...]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import compose_train
+from conftest import assert_validated, compose_train
 from hydra.utils import instantiate
 from toy_head import ToyConfig, ToyHead
 
@@ -47,7 +47,7 @@ def test_a_new_head_kind_trains_exports_and_decodes(tmp_path, toy_kind):
     )  # fmt: skip
     summary = train(cfg)
     assert summary["kind"] == "toy" and summary["global_step"] == cfg.trainer.max_steps
-    assert summary["best_sim_tau"] >= 1.0
+    assert_validated(summary)
 
     target = instantiate(cfg.target)
     checkpoint = tmp_path / "run" / "checkpoints" / "last.ckpt"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import assert_validated
 
 from specdraft.train.loggers import has_wandb_credentials, wandb_mode
 from specdraft.train.sweep_report import write_report
@@ -86,7 +87,13 @@ def test_multirun_over_two_loss_weights_gives_a_report(tmp_path):
     assert list(sweep.glob("*/wandb/offline-run-*"))
     report = write_report([sweep], tmp_path / "report")
     assert report["swept"] == ["loss.rollout.step_weight_base", "loss.weights.topk"]
-    assert len(report["runs"]) == 4 and all(row["val/sim_tau"] >= 1.0 for row in report["runs"])
+    assert len(report["runs"]) == 4
+    for row in report["runs"]:  # each run's best τ, as its own validation accuracies make it
+        summary = json.loads((Path(row["run"]) / "summary.json").read_text())
+        assert_validated(summary)
+        assert row["val/sim_tau"] == summary["best_sim_tau"]
+    taus = [row["val/sim_tau"] for row in report["runs"]]
+    assert taus == sorted(taus, reverse=True)  # best first
     for plot in report["plots"]:
         assert Path(plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "report" / "runs.json").read_text())["metric"] == "val/sim_tau"
