@@ -107,10 +107,17 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-prefill-epyc": (
+        "qs-prefill-epyc",
+        "make run (fresh clone of df8510c: install + specdraft-quickstart, budget_minutes=45; a "
+        "prefill's captured features sent to the host in one transfer; no MT-bench file, so "
+        "evaluated on held-out ShareGPT) on an AMD EPYC with AVX-512-bf16 but no AMX, in a slow spell",
+    ),
     "qs-slowday-epyc": (
         "qs-slowday-epyc",
         "make run (fresh clone of 337793e: install + specdraft-quickstart, budget_minutes=45; feature "
-        "shards streamed to their files) on an AMD EPYC with AVX-512-bf16 but no AMX, in a slow spell",
+        "shards streamed to their files; no MT-bench file, so evaluated on held-out ShareGPT) on an "
+        "AMD EPYC with AVX-512-bf16 but no AMX, in a slow spell",
     ),
     "qs-capture2-epyc": (
         "qs-capture2-epyc",
@@ -322,6 +329,30 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-prefill-epyc": (
+        "2026-11-27, `time make run` in a fresh clone of commit df8510c (the code of qs-slowday-epyc "
+        "but for a prefill's captured features sent to the host in one transfer), on the machine of "
+        "qs-slowday-epyc a session later, still slow: 45:14 wall in all, of which the quickstart 43:54 "
+        "of its 45-minute budget. Not quite alone: two niced (nice 19) pytest runs of another "
+        "checkout, 84 s of CPU in all, ran during regeneration and training's first minutes. Its "
+        "probe read 409 regeneration tokens/s at 128 rows and 7,438 training positions/s, so it "
+        "planned 3,311 conversations, 1,863 steps and a 7.3-minute eval box. Regeneration answered "
+        "2,999 (312 dropped as too long) with their features in 19:57 against an ETA of 17:49 "
+        "(326,647 answer tokens at 275 tokens/s, prefills included), so training was resized to "
+        "1,630 steps; its steps then ran at ~0.72 s against the probe's 0.55, and its deadline took "
+        "it to 1,308 (15:36 of fit, 5.13M tokens, ~9 passes over 557,219 tokens of 2,760 "
+        "conversations). Held-out simulated τ 1.58 / 1.78 / 1.84 / 1.90 at steps 326-1,304 (1,304 "
+        "exported) and 1.87 for the final weights. The eval took 6:42 of its 7:16 box; plain "
+        "decoding ran at 22.0 tokens/s (the probe's plain step: 29 tokens/s; 28.4 in "
+        "qs-slowday-epyc, 53.5-54.7 on this machine's usual days). The clone sat in /tmp, where the "
+        "default MT-bench path (../shared/bench/spec_bench.jsonl) finds no file, so the eval read "
+        "its fallback, 16 held-out ShareGPT first turns, as the quickstart said at its start: the "
+        "self-distilled head's own distribution, not comparable with the MT-bench runs. On those "
+        "prompts τ 2.71 / 2.45 / 2.19, against qs-slowday-epyc's 2.76 / 2.42 / 2.16 on the same "
+        "16 with about as many steps (1,346) and conversations (2,806): within the ±0.08 that tells "
+        "two heads of one recipe apart on 16 turns. Speedups 0.79× / 1.16× / 1.40×. Outputs copied "
+        "from that clone's run `quickstart` under this run name."
+    ),
     "qs-slowday-epyc": (
         "2026-11-27, `time make run` in a fresh clone of commit 337793e (the code of qs-capture2-epyc "
         "but for feature shards written by safetensors straight to their files), alone on the machine: "
@@ -336,12 +367,13 @@ RUN_CONDITIONS = {
         "deadline took it to 1,346 (15:10 of fit, 5.25M tokens, ~9 passes over 566,002 tokens of "
         "2,806 conversations). Held-out simulated τ 1.49 / 1.65 / 1.76 / 1.84 / 1.87 / 1.91 at steps "
         "206-1,241 (1,241 exported) and 1.89 for the final weights: below the 2.03-2.10 of the runs "
-        "before (2,939-3,856 steps). The eval took 5:11 of its 9:10 box. τ 2.76 / 2.42 / 2.16 "
-        "nevertheless, against 2.67 / 2.40 / 2.13 and 2.63 / 2.37 / 2.12 (qs-capture-epyc, "
-        "qs-capture2-epyc): the 60-node tree 0.09-0.13 above them, at the edge of the ±0.08 that "
-        "tells two heads of one recipe apart on 16 turns, with a lower held-out τ: not evidence of a "
-        "better head. Speedups 0.78× / 1.13× / 1.41×. Outputs copied from that clone's run "
-        "`quickstart` under this run name."
+        "before (2,939-3,856 steps). The eval took 5:11 of its 9:10 box. Its clone sat where the "
+        "default MT-bench path (../shared/bench/spec_bench.jsonl) finds no file, so the eval read "
+        "its fallback, 16 held-out ShareGPT first turns (the report's prompts: no per_category, "
+        "limit 16; the reader added to this snapshot from that, a session later): τ 2.76 / 2.42 / "
+        "2.16 there is the self-distilled head on its own distribution, not comparable with the "
+        "MT-bench runs' 2.63-2.67 (first reported as MT-bench's, wrongly). Speedups 0.78× / 1.13× / "
+        "1.41×. Outputs copied from that clone's run `quickstart` under this run name."
     ),
     "qs-capture2-epyc": (
         "2026-11-27, `time make run` in a fresh clone of commit 0138e28, right after a CI run, alone on "
@@ -1590,7 +1622,8 @@ def compact(report: dict) -> dict:
         "machine": report["machine"],
         **({"time_box": report["time_box"]} if "time_box" in report else {}),
         "config": {
-            "prompts": {key: prompts.get(key) for key in ("per_category", "max_turns")},
+            "prompts": {key: prompts.get(key) for key in ("per_category", "max_turns", "limit")}
+            | {"reader": prompts.get("_target_", "").rsplit(".", 1)[-1] or None},
             "max_new_tokens": config["max_new_tokens"],
         },
         "results": {
@@ -1843,13 +1876,23 @@ GPU_TESTS_SNAPSHOT = "gpu_tests.json"
 DECODER_TREE = "head_dynamic"
 
 
+# the prompt readers (conf/prompts) a report's prompts came from, as the doc names them. Snapshots
+# from before the reader was kept are all MT-bench's (their per_category says so: the quickstart
+# sets it only when it finds the MT-bench file)
+MT_BENCH_READER = "read_spec_bench"
+PROMPT_SETS = {MT_BENCH_READER: "MT-bench", "sharegpt_heldout": "held-out ShareGPT (no MT-bench file)"}
+
+
 def prompts_line(report: dict) -> str:
     prompts, config = report["config"]["prompts"], report["config"]
     turns = "first turns" if prompts.get("max_turns") == 1 else f"max_turns {prompts.get('max_turns')}"
-    return (
-        f"MT-bench, {prompts.get('per_category')} per category, {turns}, "
-        f"{config['max_new_tokens']} new tokens per turn"
-    )
+    reader = prompts.get("reader") or MT_BENCH_READER
+    name = PROMPT_SETS.get(reader, reader)
+    if reader == MT_BENCH_READER:
+        selection = f"{name}, {prompts.get('per_category')} per category"
+    else:
+        selection = f"{name}, the first {prompts.get('limit')} prompts"
+    return f"{selection}, {turns}, {config['max_new_tokens']} new tokens per turn"
 
 
 def training_line(summary: dict | None) -> str:

@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_module
 
 from specdraft.eval.prompts import MT_BENCH_CATEGORIES
 from specdraft.train.budget import Plan, Throughput
-from specdraft.train.quickstart import load_or_make_plan, plan_path, run_stages, stages
+from specdraft.train.quickstart import load_or_make_plan, plan_path, prompt_set, run_stages, stages
 
 PLAN = Plan(45, 700, 321, 9.0, {"probe": 60.0, "regen": 600.0, "cache train": 100.0,
             "cache heldout": 10.0, "train": 900.0, "export": 10.0, "eval": 540.0}, 81, 870.0)  # fmt: skip
@@ -65,6 +65,8 @@ def test_each_stage_reads_what_the_previous_one_wrote(tmp_path):
     assert value(by_name["export"], "checkpoint") == f"{tmp_path}/train/quickstart"
     assert value(by_name["eval"], "checkpoint") == value(by_name["export"], "out")
     assert value(by_name["eval"], "prompts") == "sharegpt_heldout"  # no MT-bench file
+    eval_overrides = dict(o.split("=", 1) for o in by_name["eval"].overrides)
+    assert prompt_set(eval_overrides).startswith("sharegpt_heldout prompts, the first turns: no MT-bench")
     # the plan's sizes reach the stages
     assert value(by_name["regen"], "limit") == "700"
     assert value(by_name["regen"], "out_path").endswith("quickstart-train-700.jsonl")
@@ -179,6 +181,7 @@ def test_the_quickstart_runs_end_to_end_and_resumes_on_the_tiny_target(tmp_path)
     first = subprocess.run(command, capture_output=True, text=True, check=False)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "T=0 head_tree (" in first.stdout and "head (native export)" in first.stdout
+    assert f"evaluated on MT-bench ({bench_file})" in first.stdout
     assert "quickstart plan: budget 45 min" in first.stdout  # the plan, with its ETAs, comes first
     out = tmp_path / "quickstart"
     plan = json.loads((out / "plan-quickstart.json").read_text())

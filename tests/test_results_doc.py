@@ -496,6 +496,26 @@ def test_batch_section_reports_throughput_per_size_and_the_crossover(results, tm
     )
 
 
+def test_the_prompts_line_names_the_prompts_a_report_read(results) -> None:
+    """A quickstart without the MT-bench file evaluates on held-out ShareGPT: two runs were once
+    rendered as MT-bench's, their τ compared with MT-bench runs."""
+
+    def report(prompts: dict) -> dict:
+        return {"machine": {}, "config": {"prompts": prompts, "max_new_tokens": 128}, "results": {}}
+
+    fallback = {"_target_": "specdraft.eval.prompts.sharegpt_heldout", "limit": 16, "max_turns": 1}
+    mt_bench = {"_target_": "specdraft.eval.prompts.read_spec_bench", "path": "/x/q.jsonl"}
+    mt_bench |= {"per_category": 2, "max_turns": 1}
+    assert results.prompts_line(results.compact(report(fallback))) == (
+        "held-out ShareGPT (no MT-bench file), the first 16 prompts, first turns, 128 new tokens per turn"
+    )
+    assert results.prompts_line(results.compact(report(mt_bench))) == (
+        "MT-bench, 2 per category, first turns, 128 new tokens per turn"
+    )
+    older = {"per_category": 2, "max_turns": 1}  # snapshots from before the reader was kept
+    assert results.prompts_line(report(older)) == results.prompts_line(results.compact(report(mt_bench)))
+
+
 def test_quickstart_runs_without_a_snapshot_keep_their_text_and_get_their_machine(results) -> None:
     previous = [
         "Machine: 2026-11-22, x86_64 × 2 cores.",

@@ -470,6 +470,17 @@ def run_name(cfg: DictConfig) -> str:
     return cfg.name if cfg.self_distill else f"{cfg.name}-sharegpt"
 
 
+def prompt_set(eval_overrides: dict[str, str]) -> str:
+    """Which prompts the eval stage read: τ on held-out ShareGPT (the self-distilled head's own
+    distribution) reads higher than on MT-bench, so the summary says which it is."""
+    if eval_overrides["prompts"] == "mt_bench":
+        return f"MT-bench ({eval_overrides['prompts.path']}), the first turns"
+    return (
+        f"{eval_overrides['prompts']} prompts, the first turns: no MT-bench file was found "
+        "(set SPECDRAFT_SPEC_BENCH); τ there is not comparable with MT-bench's"
+    )
+
+
 def print_summary(eval_stage: Stage, timings_path: Path, timings: dict[str, float], plan: Plan) -> None:
     """The time each stage took against its ETA; τ, acceptance per depth and speedup of the head
     at each temperature; and where things are."""
@@ -487,6 +498,7 @@ def print_summary(eval_stage: Stage, timings_path: Path, timings: dict[str, floa
         )
     )
     left = report.get("time_box", {}).get("units_left", 0)
+    print(f"evaluated on {prompt_set(overrides)}")
     for temperature, methods in report["results"].items():
         for method, entry in methods.items():
             if method == "plain":
