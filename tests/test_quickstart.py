@@ -66,7 +66,7 @@ def test_each_stage_reads_what_the_previous_one_wrote(tmp_path):
     assert value(by_name["eval"], "checkpoint") == value(by_name["export"], "out")
     assert value(by_name["eval"], "prompts") == "sharegpt_heldout"  # no MT-bench file
     eval_overrides = dict(o.split("=", 1) for o in by_name["eval"].overrides)
-    assert prompt_set(eval_overrides).startswith("sharegpt_heldout prompts, the first turns: no MT-bench")
+    assert prompt_set(eval_overrides).startswith("sharegpt_heldout prompts, their first turns: no MT-bench")
     # the plan's sizes reach the stages
     assert value(by_name["regen"], "limit") == "700"
     assert value(by_name["regen"], "out_path").endswith("quickstart-train-700.jsonl")

@@ -471,12 +471,14 @@ def run_name(cfg: DictConfig) -> str:
 
 
 def prompt_set(eval_overrides: dict[str, str]) -> str:
-    """Which prompts the eval stage read: τ on held-out ShareGPT (the self-distilled head's own
-    distribution) reads higher than on MT-bench, so the summary says which it is."""
+    """Which prompts the eval stage read, for the closing summary: τ on held-out ShareGPT (the
+    self-distilled head's own distribution) is not comparable with τ on MT-bench."""
+    turns = eval_overrides["prompts.max_turns"]
+    turns = "their first turns" if turns == "1" else f"up to {turns} turns each"
     if eval_overrides["prompts"] == "mt_bench":
-        return f"MT-bench ({eval_overrides['prompts.path']}), the first turns"
+        return f"MT-bench ({eval_overrides['prompts.path']}), {turns}"
     return (
-        f"{eval_overrides['prompts']} prompts, the first turns: no MT-bench file was found "
+        f"{eval_overrides['prompts']} prompts, {turns}: no MT-bench file was found "
         "(set SPECDRAFT_SPEC_BENCH); τ there is not comparable with MT-bench's"
     )
 
