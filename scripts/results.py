@@ -107,6 +107,12 @@ OLD_DEFAULTS = (
     "with the defaults of commit 0691bb6: regen by HF generate at batch 16, validation every 25 steps"
 )
 QUICKSTART_RUNS = {
+    "qs-mtbench-epyc": (
+        "qs-mtbench-epyc",
+        "make run (fresh clone of 6157abe beside shared/, so on MT-bench: install + "
+        "specdraft-quickstart, budget_minutes=45; the code of qs-prefill-epyc) on an AMD EPYC with "
+        "AVX-512-bf16 but no AMX, in a slow spell",
+    ),
     "qs-prefill-epyc": (
         "qs-prefill-epyc",
         "make run (fresh clone of df8510c: install + specdraft-quickstart, budget_minutes=45; a "
@@ -329,6 +335,27 @@ CURVE_COLUMN_EVERY = 50  # the training table's held-out acc_1 column: one value
 OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
 OWN_VOCAB = {"eagle3", "hass_eagle3"}  # EAGLE-3 heads draft over their own vocabulary: no shortlist
 RUN_CONDITIONS = {
+    "qs-mtbench-epyc": (
+        "2026-11-27, `time make run` in a fresh clone of commit 6157abe (the code of qs-prefill-epyc; "
+        "the commit adds tests only) in a directory beside shared/, so the eval found the MT-bench "
+        "file, alone on the machine: 43:24 wall in all, of which the quickstart 43:16 of its "
+        "45-minute budget (a first start was stopped after its probe, which had run beside 20 s of "
+        "tests, and this one started afresh). Its probe read the machine in a fast moment: 507 "
+        "regeneration tokens/s at 128 rows and 7,608 training positions/s, so it planned 3,744 "
+        "conversations, 1,854 steps and an 8-minute eval box. Regeneration then ran at half that "
+        "pace: it answered 3,385 (359 dropped as too long) with their features in 24:08 against an "
+        "ETA of 17:25 (371,110 answer tokens at 258.5 tokens/s, prefills included), so training was "
+        "resized to 1,104 steps; its steps then ran at ~0.75 s against the probe's 0.54, and its "
+        "deadline took it to 846 (10:30 of fit, 3.32M tokens, ~5 passes over 635,615 tokens of "
+        "3,132 conversations). Held-out simulated τ 1.49 / 1.67 / 1.77 at steps 221 / 442 / 663 and "
+        "1.79 for the final weights (exported), against 2.03-2.10 in the MT-bench runs of this "
+        "machine's usual days (2,939-3,856 steps). The eval took 6:43 of its 8:00 box; plain "
+        "decoding 24.2 tokens/s (53.5-54.7 on usual days). τ 2.30 / 2.10 / 1.88 on 16 MT-bench "
+        "first turns, against 2.63 / 2.37 / 2.12 and 2.67 / 2.40 / 2.13 (qs-capture2-epyc, "
+        "qs-capture-epyc): the budget's steps on a machine at half its pace buy a third of the "
+        "training. Speedups 0.68× / 1.01× / 1.30×. Outputs copied from that clone's run "
+        "`quickstart` under this run name."
+    ),
     "qs-prefill-epyc": (
         "2026-11-27, `time make run` in a fresh clone of commit df8510c (the code of qs-slowday-epyc "
         "but for a prefill's captured features sent to the host in one transfer), on the machine of "
