@@ -1918,7 +1918,8 @@ def prompts_line(report: dict) -> str:
     if reader == MT_BENCH_READER:
         selection = f"{name}, {prompts.get('per_category')} per category"
     else:
-        selection = f"{name}, the first {prompts.get('limit')} prompts"
+        limit = prompts.get("limit")
+        selection = f"{name}, the first {limit} prompts" if limit else name
     return f"{selection}, {turns}, {config['max_new_tokens']} new tokens per turn"
 
 
