@@ -304,6 +304,9 @@ def resolve_chunk_size(chunk_size: int | str, batch_size: int, rules: AutoBatch)
 
 @dataclass
 class RegenReport:
+    """What one ``regenerate`` call did; ``specdraft-regen`` writes it as JSON next to its output
+    (:func:`report_path`), so measurements read numbers rather than scrape its printed line."""
+
     conversations: int = 0
     written: int = 0
     turns_answered: int = 0
@@ -312,6 +315,17 @@ class RegenReport:
     generated_characters: int = 0
     generated_tokens: int = 0  # as counted by the responder
     seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of this run (prefills included)."""
+        return self.generated_tokens / max(self.seconds, 1e-9)
+
+
+def report_path(out_path: str | Path) -> Path:
+    """Where ``specdraft-regen`` writes the report of its last run on ``out_path``."""
+    out_path = Path(out_path)
+    return out_path.with_name(out_path.name + ".report.json")
 
 
 def regenerate(

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from specdraft.data.atomic import write_json_atomic
 from specdraft.data.cache import CapturedCacheWriter, StoredFields
 from specdraft.data.conversations import select_conversations
 from specdraft.data.errors import user_errors
@@ -27,6 +29,7 @@ from specdraft.data.regen import (
     OpenAIResponder,
     TargetResponder,
     regenerate,
+    report_path,
     resolve_batch_size,
     resolve_chunk_size,
 )
@@ -45,6 +48,7 @@ def main(cfg: DictConfig) -> None:
     if cfg.features.dir is not None and cfg.backend != "target":
         raise ValueError("features.dir: features are captured by the target backend only (backend=target)")
     writer = None
+    batch_size = None  # rows per target batch (the target backend only)
     if cfg.backend == "target":
         target = instantiate(cfg.target)
         if cfg.packed_weights:
@@ -96,17 +100,25 @@ def main(cfg: DictConfig) -> None:
         cfg.max_turns,
         writer,
     )
+    # The run's numbers as JSON beside its output (also of a run that answered nothing): what a
+    # measurement reads (scripts/results.py).
+    numbers = {
+        **asdict(report),
+        "tokens_per_s": report.tokens_per_s,
+        "rows": batch_size,
+        "chunk_size": chunk_size,
+    }
+    write_json_atomic(report_path(cfg.out_path), numbers)
     if not Path(cfg.out_path).stat().st_size:
         raise SystemExit(
             f"specdraft-regen: no conversation of the {len(conversations)} was answered (every first "
             f"answer empty or every prompt longer than max_prompt_tokens={cfg.max_prompt_tokens}); "
             f"{cfg.out_path} is empty"
         )
-    rate = report.generated_tokens / max(report.seconds, 1e-9)
     print(
         f"{cfg.out_path}: {report.written} conversations written this run ({report.turns_answered} turns "
         f"answered, {report.turns_dropped} dropped; {report.generated_tokens} tokens in "
-        f"{report.seconds:.0f} s = {rate:.1f} tokens/s)"
+        f"{report.seconds:.0f} s = {report.tokens_per_s:.1f} tokens/s); report: {report_path(cfg.out_path)}"
     )
 
 

@@ -391,3 +391,26 @@ def test_captured_caches_train_the_answers_only_and_keep_to_their_directory(tmp_
     )
     with pytest.raises(CacheError, match="specdraft-cache wrote"):
         writer.start()
+
+
+def test_the_cli_writes_its_report_as_json_beside_its_output(tmp_path, monkeypatch):
+    """specdraft-regen's numbers are read from JSON (scripts/results.py), not scraped from its line."""
+    import sys
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    from specdraft.data import regen_cli
+    from specdraft.data.regen import report_path
+
+    out = tmp_path / "out.jsonl"
+    GlobalHydra.instance().clear()
+    argv = ["specdraft-regen", "target=tiny_random", "data=tiny", "limit=3", "max_turns=1", "batch_size=2"]
+    argv += ["generation.max_new_tokens=4", "progress=false", f"out_path={out}", f"hydra.run.dir={tmp_path}"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit):  # the tiny random target's first answers are empty: none written
+        regen_cli.main()
+    report = json.loads(report_path(out).read_text())
+    assert report_path(out) == tmp_path / "out.jsonl.report.json"
+    assert report["conversations"] == 3 and report["rows"] == 2 and report["chunk_size"] == 64
+    assert report["written"] == 0 and report["turns_dropped"] == 3
+    assert report["tokens_per_s"] == pytest.approx(report["generated_tokens"] / max(report["seconds"], 1e-9))
