@@ -47,6 +47,7 @@ from specdraft.eval.load import load_head
 from specdraft.eval.methods import ShapeChooser, build_method, tree_shape
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
+from specdraft.eval.shortlist import cached_assistant_counts
 from specdraft.heads.vocab import draft_vocab_from_counts
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,13 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
     draft_model = functools.cache(
         lambda: load_draft_model(target, cfg.draft_model.path, cfg.draft_model.num_layers)
     )
-    counts = functools.cache(lambda: assistant_counts(cfg.shortlist, target))
+    counts = functools.cache(
+        lambda: (
+            cached_assistant_counts(cfg.shortlist.cache, target.spec.vocab_size)
+            if cfg.shortlist.get("cache")
+            else assistant_counts(cfg.shortlist, target)
+        )
+    )
     shortlist = functools.cache(
         lambda size=None: vocab_shortlist(counts, cfg.shortlist.size if size is None else size)
     )
