@@ -113,3 +113,14 @@ def test_datamodule_presets_instantiate_with_a_runtime_target(preset, tiny_targe
     module = make(target=tiny_target, **extra)
     assert isinstance(module, FeatureDataModule)
     assert module.mode == preset and module.noise.amplitude == 0.1
+
+
+def test_the_two_stage_hass_experiment_is_hass_at_a_third_of_the_lr_from_given_weights(tmp_path):
+    """conf/experiment/hass_2stage.yaml: the reference's second stage, Top-K on, lr / 3."""
+    from tests.conftest import compose_train
+
+    hass = compose_train(tmp_path, "experiment=hass")
+    second = compose_train(tmp_path, "experiment=hass_2stage", "init_from=stage1/last.ckpt")
+    assert second.init_from == "stage1/last.ckpt" and second.loss == hass.loss
+    assert second.loss.weights.topk > 0 and second.datamodule.top_k == hass.datamodule.top_k
+    assert second.optim.lr == pytest.approx(hass.optim.lr / 3, rel=1e-4)
