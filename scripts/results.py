@@ -15,9 +15,9 @@ A snapshot holds the numbers its section shows AND how they were obtained, as da
 predecessor for that class (git keeps the history). ``record`` turns a command's outputs into an
 entry — ``bench``: a ``specdraft-bench`` report.json (quickstart: its eval's; ablation: the
 interleaved heads, each against EAGLE-2 by eval.report.compare_with_reference); ``regen``: the
-reports ``specdraft-regen`` writes beside its outputs (data.regen.report_path). Measurements
-with their own writers are snapshotted as those wrote them (sweep: ``specdraft-sweep-report``;
-training speed: scripts/bench_train_step.py).
+reports ``specdraft-regen`` writes beside its outputs (data.regen.report_path);
+``train_speed``: a scripts/bench_train_step.py output. The sweep, recipe and evidence snapshots
+are written by hand from ``specdraft-sweep-report`` / training summaries / the other sections.
 """
 
 from __future__ import annotations
@@ -137,11 +137,23 @@ def machine_line(machine: dict) -> str:
     )
 
 
+def train_speed_entry(out: Path) -> dict:
+    """Training tokens/s per variant from a scripts/bench_train_step.py output (``--out``)."""
+    measured_run = json.loads(out.read_text())
+    return {"train_tokens_per_s": {v: x["train_tokens_per_s"] for v, x in measured_run["variants"].items()}}
+
+
+RECORDERS = {  # record KIND -> (its sources -> the entry's numbers)
+    "regen": regen_entry,
+    "train_speed": lambda sources: train_speed_entry(Path(sources[0])),
+}
+
+
 def record(args: argparse.Namespace) -> None:
     """Write one snapshot entry with its conditions: in a section per machine class (ENTRIES), in
     place of the entry of the same class; elsewhere in place of the section's numbers."""
     source = Path(args.source[0])
-    entry = bench_entry(source, args.section) if args.kind == "bench" else regen_entry(args.source)
+    entry = bench_entry(source, args.section) if args.kind == "bench" else RECORDERS[args.kind](args.source)
     machine = args.machine
     if machine is None and args.kind == "bench":
         machine = machine_line(json.loads((source / "report.json").read_text())["machine"])
@@ -501,9 +513,12 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="compare docs/results.md with a render")
     commands = parser.add_subparsers(dest="action")
     recorder = commands.add_parser("record", help="a command's outputs → a snapshot entry")
-    recorder.add_argument("kind", choices=("bench", "regen"))
+    recorder.add_argument("kind", choices=("bench", *RECORDERS))
     recorder.add_argument("section", help="the snapshot: docs/results/<section>.json")
-    recorder.add_argument("source", nargs="+", help="bench: its output dir; regen: LABEL:COMMIT:OUT_PATH …")
+    sources = (
+        "bench: its output dir; regen: LABEL:COMMIT:OUT_PATH …; train_speed: bench_train_step.py's --out"
+    )
+    recorder.add_argument("source", nargs="+", help=sources)
     for flag in ("--machine-class", "--command", "--conditions"):
         recorder.add_argument(flag, required=True)
     for flag in ("--commit", "--prompts", "--name", "--machine"):  # --machine: default the report's

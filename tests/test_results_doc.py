@@ -231,3 +231,20 @@ def test_the_ablation_pairs_every_head_with_eagle2_per_prompt_set_and_temperatur
     assert "MT-bench (1 prompts), T=0 and T=1:" in text
     assert "| eagle | 2.000 | 1.00 | 1 (reference) | – |" in text
     assert "| hass | 4.000 | 1.00 | 2.000 [2.000, 2.000] | +2.000 [+2.000, +2.000] |" in text
+
+
+def test_training_speed_is_read_from_a_bench_train_step_output(results, tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    out.write_text(
+        json.dumps({"variants": {"eagle": {"train_tokens_per_s": 2194.1, "val_tokens_per_s": 1.0}}})
+    )
+    entry = results.RECORDERS["train_speed"]([str(out)])
+    assert entry == {"train_tokens_per_s": {"eagle": 2194.1}}
+    run = {
+        "machine_class": "AMX Xeon",
+        "machine": "Xeon",
+        "command": "bench_train_step.py",
+        "commit": "abc1234",
+    }
+    snapshot = {"about": ".", "entries": [{**entry, "run": {**run, "conditions": "alone"}}]}
+    assert "| `eagle` | 2194 |" in results.train_speed_section(snapshot)
