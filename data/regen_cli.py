@@ -27,6 +27,7 @@ from specdraft.data.regen import (
     AutoBatch,
     GenerationSettings,
     OpenAIResponder,
+    RegenReport,
     TargetResponder,
     regenerate,
     report_path,
@@ -100,18 +101,19 @@ def main(cfg: DictConfig) -> None:
         cfg.max_turns,
         writer,
     )
-    # The run's numbers as JSON beside its output (also of a run that answered nothing): what a
-    # measurement reads (scripts/results.py).
-    numbers = {
-        **asdict(report),
-        "tokens_per_s": report.tokens_per_s,
-        "rows": batch_size,
-        "chunk_size": chunk_size,
-    }
+    report_run(cfg, report, len(conversations), batch_size, chunk_size)
+
+
+def report_run(
+    cfg: DictConfig, report: RegenReport, conversations: int, rows: int | None, chunk_size: int
+) -> None:
+    """Write the run's report as JSON beside its output (also of a run that answered nothing: what
+    a measurement reads, scripts/results.py), then refuse an empty output or print the summary."""
+    numbers = {**asdict(report), "tokens_per_s": report.tokens_per_s, "rows": rows, "chunk_size": chunk_size}
     write_json_atomic(report_path(cfg.out_path), numbers)
     if not Path(cfg.out_path).stat().st_size:
         raise SystemExit(
-            f"specdraft-regen: no conversation of the {len(conversations)} was answered (every first "
+            f"specdraft-regen: no conversation of the {conversations} was answered (every first "
             f"answer empty or every prompt longer than max_prompt_tokens={cfg.max_prompt_tokens}); "
             f"{cfg.out_path} is empty"
         )
