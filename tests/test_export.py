@@ -23,6 +23,7 @@ from specdraft.heads.formats import (
     FORMATS,
     FormatError,
     HeadRecord,
+    detect_format,
     export_files,
     read_checkpoint,
     read_export,
@@ -286,6 +287,21 @@ def test_specdraft_export_from_a_run_dir_then_specdraft_eval_loads_it(target, tm
         export(compose_export(tmp_path, f"checkpoint={run_dir}", "dtype=half"))
     with pytest.raises(FileNotFoundError, match="no such file or run directory"):
         export(compose_export(tmp_path, f"checkpoint={tmp_path / 'nowhere'}"))
+
+
+def test_specdraft_export_converts_an_export_directory(target, tmp_path):
+    """A pretrained head ships as a native export (assets/heads/): it converts to an engine's
+    layout like a checkpoint does, weight for weight."""
+    record = trained_record(target, "eagle", {})
+    native = write_export(tmp_path / "pretrained", record, "native", target_spec=target.spec)
+
+    out = export(compose_export(tmp_path, f"checkpoint={native}", "format=vllm"))
+    assert out == tmp_path / "export" / "pretrained-vllm"
+    assert detect_format(json.loads((out / "config.json").read_text())) == "vllm"
+    converted = read_export(out, target.spec, target_lm_head=target_weights(target).lm_head)
+    assert converted.kind == "eagle"
+    for name, tensor in record.state.items():
+        assert torch.equal(converted.state[name], tensor), name
 
 
 class _NotTensors:

@@ -4,10 +4,11 @@
     specdraft-export checkpoint=outputs/train/eagle3-eagle3 format=speculators verifier=/models/SmolLM2
     specdraft-export checkpoint=outputs/train/hass/checkpoints/last.ckpt format=native out=exports/hass
 
-``checkpoint`` is a training checkpoint or a run dir (its best checkpoint by simulated τ, from
-``summary.json``, else ``checkpoints/last.ckpt``). The head is checked against the target it is
-exported for, converted (:mod:`specdraft.heads.formats`), read back from the converted files
-and compared weight by weight, and only then written, atomically.
+``checkpoint`` is a training checkpoint, a run dir (its best checkpoint by simulated τ, from
+``summary.json``, else ``checkpoints/last.ckpt``) or an export directory of any format (e.g. a
+pretrained head in ``assets/heads/``, converted to an engine's layout). The head is checked against
+the target it is exported for, converted (:mod:`specdraft.heads.formats`), read back from the
+converted files and compared weight by weight, and only then written, atomically.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from omegaconf import DictConfig
 from specdraft.data.errors import user_errors
 from specdraft.data.hardware import start
 from specdraft.data.target import Target, target_weights
-from specdraft.heads.formats import FORMATS, FormatError, read_checkpoint, write_export
-from specdraft.heads.formats.files import check_destination
+from specdraft.heads.formats import FORMATS, FormatError, read_checkpoint, read_export, write_export
+from specdraft.heads.formats.files import CONFIG_FILE, check_destination
 from specdraft.train.run_dir import LAST_CHECKPOINT
 
 log = logging.getLogger(__name__)
@@ -43,23 +44,30 @@ def export(cfg: DictConfig) -> Path:
         raise FormatError(f"format={cfg.format!r}; expected one of {sorted(FORMATS)}")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise FormatError(f"dtype={cfg.dtype!r}; expected null or one of {sorted(DTYPES)}")
-    checkpoint = resolve_checkpoint(Path(cfg.checkpoint))
+    source = Path(cfg.checkpoint)
+    from_export = (source / CONFIG_FILE).is_file()
+    checkpoint = source if from_export else resolve_checkpoint(source)
     out = (
         Path(cfg.out)
         if cfg.out
         else Path(cfg.paths.log_dir) / "export" / f"{run_name(checkpoint)}-{cfg.format}"
     )
-    check_destination(out, cfg.overwrite)  # before the target is loaded: fail in a second, not a minute
-    record = read_checkpoint(checkpoint)
+    # Both checks before the target is loaded: fail in a second, not a minute. An export is read
+    # after it, since a foreign layout takes the target's spec.
+    check_destination(out, cfg.overwrite)
+    record = None if from_export else read_checkpoint(checkpoint)
     start("specdraft-export", target=cfg.target)
     target: Target = instantiate(cfg.target)
+    target_lm_head = target_weights(target).lm_head
+    if record is None:
+        record = read_export(checkpoint, target.spec, target_lm_head=target_lm_head)
     path = write_export(
         out,
         record,
         cfg.format,
         overwrite=cfg.overwrite,
         target_spec=target.spec,
-        target_lm_head=target_weights(target).lm_head,
+        target_lm_head=target_lm_head,
         dtype=DTYPES[cfg.dtype] if cfg.dtype else None,
         speculative_tokens=cfg.speculative_tokens,
         verifier=cfg.verifier,
@@ -90,7 +98,10 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def run_name(checkpoint: Path) -> str:
-    """The training run's name for a checkpoint inside ``<run>/checkpoints/``, else the file's stem."""
+    """The training run's name for a checkpoint inside ``<run>/checkpoints/``, else the file's
+    stem (an export directory: its name)."""
+    if checkpoint.is_dir():
+        return checkpoint.name
     return checkpoint.parent.parent.name if checkpoint.parent.name == "checkpoints" else checkpoint.stem
 
 
