@@ -1,4 +1,4 @@
-"""The quickstart's planner (train/budget.py make_plan): the budget split as documented, explicit
+"""The quickstart's planner (recipes/budget.py make_plan): the budget split as documented, explicit
 sizes kept, a too-small budget refused with the minutes that would do; the probe's step clock.
 The probe itself runs in test_quickstart's end-to-end test."""
 
@@ -14,8 +14,15 @@ from specdraft.data.chat import TokenizedConversation
 from specdraft.data.conversations import Conversation, Message
 from specdraft.data.features import length_batches
 from specdraft.data.regen import GenerationSettings, TargetResponder
-from specdraft.train import budget
-from specdraft.train.budget import BudgetError, BudgetRules, ProbeSettings, Throughput, TrainShape, make_plan
+from specdraft.recipes import budget
+from specdraft.recipes.budget import (
+    BudgetError,
+    BudgetRules,
+    ProbeSettings,
+    Throughput,
+    TrainShape,
+    make_plan,
+)
 
 # Rates of the order measured on a 2-core AVX2 EPYC with SmolLM2 (fp32).
 THROUGHPUT = Throughput(

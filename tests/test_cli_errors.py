@@ -15,8 +15,9 @@ from hydra.core.global_hydra import GlobalHydra
 from specdraft.data import cache_cli, prepare, regen_cli
 from specdraft.data.errors import USER_ERROR_EXIT_CODE, user_errors
 from specdraft.eval import cli as eval_cli
+from specdraft.recipes import depth_acceptance, quickstart, sweep_report
 from specdraft.train import cli as train_cli
-from specdraft.train import depth_acceptance, export, quickstart, sweep_report
+from specdraft.train import export
 from tests.test_bench import save_tiny_checkpoint
 
 

@@ -6,7 +6,7 @@ budget (Hydra).
     specdraft-quickstart self_distill=false   # the original ShareGPT answers instead of the target's
 
 First a probe times a few seconds of each stage's own work on this machine, and the plan sizes
-the stages to fit ``budget_minutes`` (train/budget.py); it is printed with an ETA per stage and
+the stages to fit ``budget_minutes`` (recipes/budget.py); it is printed with an ETA per stage and
 written to ``<dir>/plan-<run>.json``, which a re-run reuses. Then the stages, each one of the
 specdraft commands run as a subprocess (so each is exactly what a user would type, and each
 resumes on its own: re-running the quickstart skips finished work):
@@ -45,7 +45,7 @@ from specdraft.data.atomic import write_json_atomic
 from specdraft.data.cache import StoredFields
 from specdraft.data.errors import user_errors
 from specdraft.data.hardware import start
-from specdraft.train.budget import (
+from specdraft.recipes.budget import (
     SECONDS_PER_MINUTE,
     BudgetError,
     BudgetRules,
