@@ -18,8 +18,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdraft.data.cache import CapturedCacheWriter, StoredFields
 from specdraft.data.conversations import select_conversations
-from specdraft.data.errors import user_errors
-from specdraft.data.hardware import start
 from specdraft.data.packed_linear import pack_linear_weights
 from specdraft.data.regen import (
     AutoBatch,
@@ -30,6 +28,8 @@ from specdraft.data.regen import (
     resolve_batch_size,
     resolve_chunk_size,
 )
+from specdraft.system.errors import user_errors
+from specdraft.system.hardware import start
 
 log = logging.getLogger(__name__)
 

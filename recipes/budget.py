@@ -45,13 +45,13 @@ from specdraft.data.chat import TokenizedConversation, tokenize_conversations
 from specdraft.data.conversations import Conversation, split_conversations
 from specdraft.data.features import length_batches, pad_token_id
 from specdraft.data.generate import greedy_generate
-from specdraft.data.hardware import resolve_precision
 from specdraft.data.packed_linear import pack_linear_weights
 from specdraft.data.regen import AutoBatch, GenerationSettings, TargetResponder, resolve_batch_size
 from specdraft.data.target import Target
 from specdraft.eval.autoshape import VerifyLatency, probe_verify_latency
 from specdraft.eval.kernels import use_grouped_query_attention
 from specdraft.eval.runner import TargetRunner
+from specdraft.system.hardware import resolve_precision
 from specdraft.train.cli import build_objective, build_training_head, features_for_objective
 from specdraft.train.module import DraftHeadModule
 

@@ -41,10 +41,7 @@ import hydra
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
-from specdraft.data.atomic import write_json_atomic
 from specdraft.data.cache import StoredFields
-from specdraft.data.errors import user_errors
-from specdraft.data.hardware import start
 from specdraft.recipes.budget import (
     SECONDS_PER_MINUTE,
     BudgetError,
@@ -60,6 +57,9 @@ from specdraft.recipes.budget import (
     probe,
     retime_training,
 )
+from specdraft.system.errors import user_errors
+from specdraft.system.files import write_json_atomic
+from specdraft.system.hardware import start
 from specdraft.train.callbacks import TrainingDeadline
 
 # What a stored plan was made for: a re-run with any of these changed would need other sizes.

@@ -83,13 +83,13 @@ from pathlib import Path
 
 import yaml
 
-from specdraft.data.atomic import write_bytes_atomic, write_json_atomic
-from specdraft.data.hardware import detect_hardware
 from specdraft.eval.bench import machine_info, read_records
 from specdraft.eval.report import CONFIDENCE, metrics, paired_bootstrap, summarize
 from specdraft.recipes.budget import clock
 from specdraft.recipes.depth_acceptance import paired_chain_bootstrap
 from specdraft.recipes.sweep_report import plot as plot_sweep
+from specdraft.system.files import write_bytes_atomic, write_json_atomic
+from specdraft.system.hardware import detect_hardware
 
 ROOT = Path(__file__).resolve().parents[1]
 LOG_DIR = Path(os.environ.get("SPECDRAFT_LOG_DIR", ROOT / "outputs"))

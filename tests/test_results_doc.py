@@ -756,7 +756,7 @@ def test_the_ablation_names_where_its_heads_trained_and_what_its_features_were_m
     run = tmp_path / "run"
     run.mkdir()
     (run / "cli.log").write_text(
-        "[t][specdraft.data.hardware][INFO] - specdraft-train on NVIDIA H200 (bf16 supported); dtype auto\n"
+        "[t][specdraft.system.hardware][INFO] - specdraft-train on NVIDIA H200 (bf16 supported); dtype auto\n"
     )
     assert results.training_device(run) == "NVIDIA H200 (bf16 supported)"
     assert results.training_device(tmp_path / "none") is None
