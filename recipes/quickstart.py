@@ -5,21 +5,13 @@ budget (Hydra).
     specdraft-quickstart budget_minutes=120   # more answers, more steps
     specdraft-quickstart self_distill=false   # the original ShareGPT answers instead of the target's
 
-First a probe times a few seconds of each stage's own work on this machine, and the plan sizes
-the stages to fit ``budget_minutes`` (recipes/budget.py); it is printed with an ETA per stage and
-written to ``<dir>/plan-<run>.json``, which a re-run reuses. Then the stages, each one of the
-specdraft commands run as a subprocess (so each is exactly what a user would type, and each
-resumes on its own: re-running the quickstart skips finished work):
-
-1. ``specdraft-regen``  — the target's own greedy answers to the first user turn of the planned
-   number of ShareGPT prompts (self-distillation; skipped with ``self_distill=false``), and the
-   target features (+ top-k) of prompt and answer captured as it answers, train and held-out;
-2. ``specdraft-cache``  — the features computed afresh (``capture_features=false`` or
-   ``self_distill=false``), train and held-out;
-3. ``specdraft-train experiment=quickstart`` — the head, on the cached features, the planned steps
-   (sized ones end at the plan's deadline: resized as training measures its own pace);
-4. ``specdraft-export format=native`` — the head as ``<dir>/head``;
-5. ``specdraft-eval``   — τ, acceptance per depth and speedup on MT-bench questions, time-boxed.
+First a probe times a few seconds of each stage's own work on this machine (recipes/probe.py), and
+the plan sizes the stages to fit ``budget_minutes`` (recipes/budget.py); it is printed with an ETA
+per stage and written to ``<dir>/plan-<run>.json``, which a re-run reuses (recipes/plan.py). Then
+the stages (recipes/stages.py: regenerate with feature capture → train → export → eval), each one
+of the specdraft commands run as a subprocess (so each is exactly what a user would type, and each
+resumes on its own: re-running the quickstart skips finished work). When training starts, what the
+stages before it saved or overran against their ETAs resizes it, once.
 
 The stage timings of this invocation go to ``<dir>/timings-<run>.json`` beside the plan's ETAs;
 the last lines printed say where the head and the report are.
@@ -33,218 +25,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import hydra
-from hydra import compose
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from specdraft.data.cache import StoredFields
-from specdraft.recipes.budget import (
-    SECONDS_PER_MINUTE,
-    BudgetError,
-    BudgetRules,
-    Plan,
-    ProbeSettings,
-    Throughput,
-    TrainShape,
-    clock,
-    describe,
-    eval_seconds,
-    make_plan,
-    probe,
-    retime_training,
-)
+from specdraft.recipes.budget import Plan, clock, describe, retime_training
+from specdraft.recipes.plan import load_or_make_plan, record_retimed_plan
+from specdraft.recipes.probe import Throughput
+from specdraft.recipes.stages import MT_BENCH_CATEGORIES, Stage, run_name, stages
 from specdraft.system.errors import user_errors
 from specdraft.system.files import write_json_atomic
 from specdraft.system.hardware import start
-from specdraft.train.callbacks import TrainingDeadline
-
-# What a stored plan was made for: a re-run with any of these changed would need other sizes.
-PLAN_KEYS = ("budget_minutes", "conversations", "train_steps", "self_distill", "capture_features",
-             "experiment", "budget", "heldout_fraction", "regen", "top_k", "aux_layers")  # fmt: skip
-
-
-# overrides.train may not set them
-PLANNED_TRAIN_KEYS = (
-    "trainer.max_steps", "trainer.max_time", "trainer.val_check_interval", "callbacks.deadline"
-)  # fmt: skip
-TRAIN_TIME_GUARD = 1.25  # training's max_time, × its ETA
-# MT-bench's categories: the fallback prompts (without Spec-Bench) take as many questions as
-# per_category × this, so the eval's size does not depend on which prompts are at hand.
-MT_BENCH_CATEGORIES = 8
-
-
-@dataclass(frozen=True)
-class Stage:
-    name: str
-    command: str  # a specdraft console script, e.g. "specdraft-regen"
-    overrides: list[str]
-
-
-def stages(cfg: DictConfig, plan: Plan) -> list[Stage]:
-    """The quickstart's commands, in order, with the plan's sizes."""
-    out = Path(cfg.dir)
-    common = common_overrides(cfg)
-    conversations = plan.conversations
-    captured = captures_features(cfg)
-    # Answers alone are shared by quickstarts (regen.dir); answers with their features belong to this one.
-    regen_path = Path(cfg.regen.dir) / f"quickstart-train-{conversations}.jsonl"
-    if captured:
-        regen_path = out / f"regen-{conversations}.jsonl"
-    if cfg.self_distill:
-        data = [
-            "data=jsonl",
-            f"data.source.path={regen_path}",
-            f"data.heldout_fraction={cfg.heldout_fraction}",
-            f"data.split_seed={cfg.split_seed}",
-        ]
-    else:
-        data = [f"data.source.limit={conversations}", f"data.heldout_fraction={cfg.heldout_fraction}"]
-    source = f"{'regen' if cfg.self_distill else 'sharegpt'}-{conversations}{'-captured' if captured else ''}"
-    features = {split: out / "features" / source / split for split in ("train", "heldout")}
-    plan_stages = []
-    if cfg.self_distill:
-        features_dir = out / "features" / source if captured else None
-        plan_stages.append(
-            Stage(
-                "regen",
-                "specdraft-regen",
-                [f"limit={conversations}", *regen_overrides(cfg, regen_path, features_dir), *common],
-            )
-        )
-    for split in () if captured else ("train", "heldout"):
-        plan_stages.append(
-            Stage(
-                f"cache {split}",
-                "specdraft-cache",
-                [
-                    *data,
-                    f"split={split}",
-                    f"top_k={cfg.top_k}",
-                    f"aux_layers={cfg.aux_layers}",
-                    f"out_dir={features[split]}",
-                    *common,
-                    *cfg.overrides.cache,
-                ],
-            )
-        )
-    run = run_name(cfg)
-    # Sized steps end at the plan's deadline: the run resizes them (and the lr decay) by the pace
-    # it measures, which drifts from the probe's. Beyond that a guard: should a step hang or the
-    # machine slow down at the very end, training stops (with a checkpoint) near its ETA.
-    max_time = TRAIN_TIME_GUARD * plan.eta_s["train"]
-    deadline = []
-    if cfg.train_steps is None and plan.train_fit_s is not None:
-        minutes = plan.train_fit_s / SECONDS_PER_MINUTE
-        target = f"{TrainingDeadline.__module__}.{TrainingDeadline.__qualname__}"
-        deadline = [f"callbacks.deadline={{_target_:{target},minutes:{minutes:.3f}}}"]
-    plan_stages.append(
-        Stage(
-            "train",
-            "specdraft-train",
-            [
-                f"experiment={cfg.experiment}",
-                f"run_name={run}",
-                f"datamodule.train_cache={features['train']}",
-                f"datamodule.val_cache={features['heldout']}",
-                f"trainer.max_steps={plan.train_steps}",
-                f"trainer.max_time={lightning_duration(max_time)}",
-                f"trainer.val_check_interval={plan.val_check_interval}",
-                *deadline,
-                *common,
-                *cfg.overrides.train,
-            ],
-        )
-    )
-    head_dir = out / ("head" if cfg.self_distill else "head-sharegpt")
-    plan_stages.append(
-        Stage(
-            "export",
-            "specdraft-export",
-            [
-                f"checkpoint={Path(cfg.paths.log_dir) / 'train' / run}",
-                "format=native",
-                f"out={head_dir}",
-                "overwrite=true",
-                f"paths.log_dir={cfg.paths.log_dir}",
-                *cfg.overrides.export,
-            ],
-        )
-    )
-    if Path(cfg.eval.mt_bench).is_file():
-        prompts = ["prompts=mt_bench", f"prompts.path={cfg.eval.mt_bench}"]
-        prompts += [
-            f"prompts.per_category={cfg.eval.per_category}",
-            f"prompts.max_turns={cfg.eval.max_turns}",
-        ]
-    else:
-        prompts = [
-            f"prompts={cfg.eval.fallback_prompts}",
-            f"prompts.limit={MT_BENCH_CATEGORIES * cfg.eval.per_category}",
-            f"prompts.max_turns={cfg.eval.max_turns}",
-        ]
-    plan_stages.append(
-        Stage(
-            "eval",
-            "specdraft-eval",
-            [
-                f"checkpoint={head_dir}",
-                "methods=quickstart",
-                f"run_name={run}",
-                *prompts,
-                f"max_new_tokens={cfg.eval.max_new_tokens}",
-                f"temperatures=[{','.join(str(t) for t in cfg.eval.temperatures)}]",
-                f"max_minutes={plan.eval_minutes:.2f}",
-                *common,
-                *cfg.overrides.eval,
-            ],
-        )
-    )
-    return plan_stages
-
-
-def common_overrides(cfg: DictConfig) -> list[str]:
-    """What every stage (and the probe of it) is given: the outputs' root and the threads."""
-    return [f"paths.log_dir={cfg.paths.log_dir}"] + ([f"threads={cfg.threads}"] if cfg.threads else [])
-
-
-def captures_features(cfg: DictConfig) -> bool:
-    """Whether regeneration captures the features as it answers (no cache stages)."""
-    return bool(cfg.self_distill and cfg.capture_features)
-
-
-def regen_overrides(cfg: DictConfig, out_path: Path, features_dir: Path | None) -> list[str]:
-    """specdraft-regen's settings for the quickstart (the probe composes the same): with
-    ``features_dir``, it captures the features the cache stages would compute."""
-    features = []
-    if features_dir is not None:
-        features = [
-            f"features.dir={features_dir}",
-            f"features.aux_layers={cfg.aux_layers}",
-            f"features.top_k={cfg.top_k}",
-            f"features.heldout_fraction={cfg.heldout_fraction}",
-            f"features.split_seed={cfg.split_seed}",
-        ]
-    return [
-        "max_turns=1",
-        f"generation.max_new_tokens={cfg.regen.max_new_tokens}",
-        f"max_prompt_tokens={cfg.regen.max_prompt_tokens}",
-        f"batch_size={cfg.regen.batch_size}",
-        f"out_path={out_path}",
-        *features,
-        *cfg.overrides.regen,
-    ]
-
-
-def lightning_duration(seconds: float) -> str:
-    """Lightning's ``max_time`` as DD:HH:MM:SS."""
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    days, hours = divmod(hours, 24)
-    return f"{days:02d}:{hours:02d}:{minutes:02d}:{secs:02d}"
 
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="quickstart")
@@ -319,140 +111,6 @@ def run_stages(
     return plan, plan_stages
 
 
-def load_or_make_plan(cfg: DictConfig) -> tuple[Plan, Throughput, bool]:
-    """The plan stored for this quickstart (a re-run resumes it), else a fresh probe and plan;
-    and whether the plan was made now."""
-    for key in PLANNED_TRAIN_KEYS:
-        if any(o.split("=", 1)[0].lstrip("+~") == key for o in cfg.overrides.train):
-            raise SystemExit(
-                f"quickstart: overrides.train sets {key}, which the plan sets (with a max_time guard "
-                "from its ETA, and budget.validations spaced over the run): pass train_steps=N or "
-                "budget.validations=N instead"
-            )
-    path = plan_path(cfg)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    request = {key: resolved[key] for key in PLAN_KEYS if key != "regen" or cfg.self_distill}
-    request["eval_max_minutes"] = resolved["eval"]["max_minutes"]
-    request["overrides"] = {k: resolved["overrides"][k] for k in ("regen", "cache", "train")}
-    request = json.loads(json.dumps(request))
-    if path.is_file():
-        stored = json.loads(path.read_text())
-        if stored.get("request") != request:
-            changed = sorted(k for k in request if stored.get("request", {}).get(k) != request[k])
-            raise SystemExit(
-                f"quickstart: {path} holds the plan this quickstart was started with, and {changed} "
-                "differ now: its data, features and training run were sized by that plan. Re-run "
-                "with the same settings to resume it, or pass name=<new name> to start another "
-                f"quickstart (or, if no stage ran yet, as after plan_only=true, delete {path})"
-            )
-        plan = stored["plan"]
-        print(f"quickstart: resuming the plan in {path} (probed {stored['made']})", flush=True)
-        return (
-            Plan(**{k: v for k, v in plan.items() if k != "total_s"}),
-            Throughput(**stored["throughput"]),
-            False,
-        )
-
-    print("quickstart: probing this machine (a few seconds of each stage's work)…", flush=True)
-    overrides = common_overrides(cfg)
-    regen_cfg = None
-    if cfg.self_distill:
-        # (the probe writes neither file: the paths only make the config the stage's)
-        probe_features = Path(cfg.dir) / "features" / "probe" if captures_features(cfg) else None
-        probe_overrides = regen_overrides(cfg, Path(cfg.regen.dir) / "probe.jsonl", probe_features)
-        regen_cfg = compose("regen", [*probe_overrides, *overrides])
-        data_cfg = regen_cfg
-    else:
-        data_cfg = compose(
-            "cache", [f"data.heldout_fraction={cfg.heldout_fraction}", *overrides, *cfg.overrides.cache]
-        )
-    cache_cfg = compose("cache", [*overrides, *cfg.overrides.cache])
-    train_cfg = compose(
-        "train",
-        [
-            f"experiment={cfg.experiment}",
-            "datamodule.train_cache=probe",
-            "datamodule.val_cache=probe",
-            *overrides,
-            *cfg.overrides.train,
-        ],
-    )
-    settings = ProbeSettings(**cfg.budget.probe)
-    fields = StoredFields(tuple(cache_cfg.target.aux_layer_ids or ()) if cfg.aux_layers else (), cfg.top_k)
-    answer_tokens = int(cfg.budget.answer_tokens) if cfg.self_distill else None
-    trees = eval_trees(cfg) if cfg.eval.max_minutes is None else []
-    throughput = probe(
-        data_cfg, train_cfg, fields, cache_cfg.batch_tokens, settings, regen_cfg, answer_tokens,
-        sorted({nodes for _, nodes in trees}),
-    )  # fmt: skip
-    rules = BudgetRules(**{k: v for k, v in cfg.budget.items() if k not in ("probe", "validations")})
-    eval_minutes = cfg.eval.max_minutes
-    turns = MT_BENCH_CATEGORIES * cfg.eval.per_category * cfg.eval.max_turns
-    estimate_s = eval_seconds(throughput, rules, trees, turns, cfg.eval.max_new_tokens)
-    if eval_minutes is None and estimate_s is not None:
-        # The box this machine's decoding needs, within [eval_min_minutes, eval_share × budget].
-        needed = max(rules.eval_min_minutes, estimate_s / SECONDS_PER_MINUTE)
-        eval_minutes = round(min(rules.eval_share * cfg.budget_minutes, needed), 2)
-    try:
-        shape = TrainShape(cfg.heldout_fraction, cfg.budget.validations, train_cfg.trainer.limit_val_batches)
-        plan = make_plan(
-            cfg.budget_minutes, throughput, rules, shape, cfg.self_distill,
-            cfg.conversations, cfg.train_steps, eval_minutes, captures_features(cfg),
-        )  # fmt: skip
-    except (BudgetError, ValueError) as error:
-        raise SystemExit(f"quickstart: {error}") from None
-    record: dict[str, Any] = {
-        "request": request,
-        "made": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "plan": plan.record(),
-        "throughput": throughput.record(),
-    }
-    write_json_atomic(path, record)
-    return plan, throughput, True
-
-
-def plan_path(cfg: DictConfig) -> Path:
-    return Path(cfg.dir) / f"plan-{run_name(cfg)}.json"
-
-
-def record_retimed_plan(cfg: DictConfig, plan: Plan, ahead_s: float) -> None:
-    """Store the plan as training was resized (a resumed quickstart trains the same run), with
-    the seconds the stages before it finished ahead of their ETAs."""
-    path = plan_path(cfg)
-    record = json.loads(path.read_text())
-    before = record["plan"]["train_steps"]
-    record["retimed"] = {"ahead_s": round(ahead_s, 1), "planned_train_steps": before}
-    record["plan"] = plan.record()
-    write_json_atomic(path, record)
-    print(
-        f"quickstart: the stages before training finished {clock(abs(ahead_s))} "
-        f"{'ahead of' if ahead_s >= 0 else 'behind'} their ETAs: training {before:,} → "
-        f"{plan.train_steps:,} steps (ETA {clock(plan.eta_s['train'])})",
-        flush=True,
-    )
-
-
-def eval_trees(cfg: DictConfig) -> list[tuple[int, int]]:
-    """(depth, nodes) of every draft tree the eval stage decodes with (its methods composed as
-    the stage composes them): what the probe times and the eval's box is sized by."""
-    eval_cfg = compose("eval", ["methods=quickstart", "checkpoint=probe", *cfg.overrides.eval])
-    trees = []
-    for name, method in eval_cfg.methods.items():
-        shape = method.get("shape")
-        if shape is None:
-            continue
-        if shape.kind == "dynamic":
-            trees.append((int(shape.depth), int(shape.total_tokens)))
-        elif shape.kind == "chain":
-            trees.append((int(shape.depth), int(shape.depth) + 1))
-        else:
-            raise SystemExit(
-                f"quickstart: eval method {name!r} drafts a {shape.kind!r} shape, which the eval's "
-                "time box cannot be sized for: set eval.max_minutes"
-            )
-    return trees
-
-
 def console_script(name: str) -> str:
     """The specdraft command installed next to this Python (the same venv), else on PATH."""
     sibling = Path(sys.executable).parent / name
@@ -462,12 +120,6 @@ def console_script(name: str) -> str:
     if found is None:
         raise SystemExit(f"quickstart: {name} is not installed next to {sys.executable} nor on PATH")
     return found
-
-
-def run_name(cfg: DictConfig) -> str:
-    """The training / benchmark run name: ``name``, suffixed when not self-distilled so the two
-    data sources never resume each other's run."""
-    return cfg.name if cfg.self_distill else f"{cfg.name}-sharegpt"
 
 
 def prompt_set(eval_overrides: dict[str, str]) -> str:
