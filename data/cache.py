@@ -46,18 +46,18 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from specdraft.data.atomic import (
+from specdraft.data.chat import TokenizedConversation
+from specdraft.data.conversations import is_heldout
+from specdraft.data.features import FeatureBatch, collate, extract_features, length_batches, pad_token_id
+from specdraft.data.target import Target
+from specdraft.heads.spec import TargetSpec
+from specdraft.system.files import (
     SettingsMismatch,
     check_or_store_settings,
     file_sha256,
     write_file_atomic,
     write_json_atomic,
 )
-from specdraft.data.chat import TokenizedConversation
-from specdraft.data.conversations import is_heldout
-from specdraft.data.features import FeatureBatch, collate, extract_features, length_batches, pad_token_id
-from specdraft.data.target import Target
-from specdraft.heads.spec import TargetSpec
 
 log = logging.getLogger(__name__)
 

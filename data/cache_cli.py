@@ -17,9 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 from specdraft.data.cache import StoredFields, finalize_manifest, validate_cache, write_cache
 from specdraft.data.chat import tokenize_conversations
 from specdraft.data.conversations import select_conversations
-from specdraft.data.errors import user_errors
-from specdraft.data.hardware import start
 from specdraft.data.packed_linear import pack_linear_weights
+from specdraft.system.errors import user_errors
+from specdraft.system.hardware import start
 
 log = logging.getLogger(__name__)
 

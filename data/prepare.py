@@ -24,14 +24,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from specdraft.data.atomic import write_json_atomic
 from specdraft.data.chat import TokenizedConversation, tokenize_conversations
 from specdraft.data.conversations import split_conversations
-from specdraft.data.errors import user_errors
 from specdraft.data.features import collate, extract_features, length_batches, pad_token_id
-from specdraft.data.hardware import start
 from specdraft.data.regen import GenerationSettings, TargetResponder
 from specdraft.data.target import Target
+from specdraft.system.errors import user_errors
+from specdraft.system.files import write_json_atomic
+from specdraft.system.hardware import start
 
 log = logging.getLogger(__name__)
 

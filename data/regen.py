@@ -43,13 +43,18 @@ from typing import Any, Protocol
 import torch
 from tqdm.auto import tqdm
 
-from specdraft.data.atomic import SettingsMismatch, append_durably, check_or_store_settings, write_json_atomic
 from specdraft.data.cache import CapturedCacheWriter, CapturedSample, StoredFields
 from specdraft.data.capture import FeatureCapture
 from specdraft.data.conversations import Conversation
 from specdraft.data.generate import greedy_generate
 from specdraft.data.target import Target
 from specdraft.heads.spec import TargetSpec
+from specdraft.system.files import (
+    SettingsMismatch,
+    append_durably,
+    check_or_store_settings,
+    write_json_atomic,
+)
 
 log = logging.getLogger(__name__)
 

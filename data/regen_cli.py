@@ -17,11 +17,8 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from specdraft.data.atomic import write_json_atomic
 from specdraft.data.cache import CapturedCacheWriter, StoredFields
 from specdraft.data.conversations import select_conversations
-from specdraft.data.errors import user_errors
-from specdraft.data.hardware import start
 from specdraft.data.packed_linear import pack_linear_weights
 from specdraft.data.regen import (
     AutoBatch,
@@ -34,6 +31,9 @@ from specdraft.data.regen import (
     resolve_batch_size,
     resolve_chunk_size,
 )
+from specdraft.system.errors import user_errors
+from specdraft.system.files import write_json_atomic
+from specdraft.system.hardware import start
 
 log = logging.getLogger(__name__)
 

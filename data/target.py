@@ -28,11 +28,11 @@ from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specdraft.data.assets import find_package_file
-from specdraft.data.atomic import file_sha256
 from specdraft.data.chat import end_of_turn_token_id
-from specdraft.data.hardware import resolve_dtype
 from specdraft.heads.frozen import TargetWeights
 from specdraft.heads.spec import TargetSpec, default_aux_layer_ids
+from specdraft.system.files import file_sha256
+from specdraft.system.hardware import resolve_dtype
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specdraft.data.conversations import Conversation, ConversationSet, Message, ReadReport
-from specdraft.data.hardware import resolve_dtype
 from specdraft.data.target import Target, build_target
+from specdraft.system.hardware import resolve_dtype
 
 TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TINY_CHAT_TEMPLATE = (

@@ -42,12 +42,12 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from specdraft.data.atomic import write_json_atomic
 from specdraft.eval.decode import device_clock, plain_generate, speculative_generate
 from specdraft.eval.drafters import Draft, Drafter, TreeShape
 from specdraft.eval.runner import TargetOutput, TargetRunner
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.trees import tree_buffers, tree_from_ancestors
+from specdraft.system.files import write_json_atomic
 
 log = logging.getLogger(__name__)
 

@@ -28,20 +28,20 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from specdraft.data.atomic import (
-    SettingsMismatch,
-    append_durably,
-    check_or_store_settings,
-    cut_torn_tail,
-    write_json_atomic,
-)
-from specdraft.data.hardware import detect_hardware
 from specdraft.data.target import Target
 from specdraft.eval.decode import Generation
 from specdraft.eval.methods import Method
 from specdraft.eval.prompts import Question
 from specdraft.eval.report import plot, summarize, summarize_batches
 from specdraft.eval.sampling import Sampling
+from specdraft.system.files import (
+    SettingsMismatch,
+    append_durably,
+    check_or_store_settings,
+    cut_torn_tail,
+    write_json_atomic,
+)
+from specdraft.system.hardware import detect_hardware
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,8 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from specdraft.data.atomic import write_json_atomic
 from specdraft.data.chat import assistant_token_counts, tokenize_conversations
 from specdraft.data.conversations import split_conversations
-from specdraft.data.errors import user_errors
-from specdraft.data.hardware import detect_hardware, start
 from specdraft.data.packed_linear import PackedLinear, pack_linear_weights
 from specdraft.data.target import Target
 from specdraft.eval.autoshape import (
@@ -49,6 +46,9 @@ from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.shortlist import cached_assistant_counts
 from specdraft.heads.vocab import draft_vocab_from_counts
+from specdraft.system.errors import user_errors
+from specdraft.system.files import write_json_atomic
+from specdraft.system.hardware import detect_hardware, start
 
 log = logging.getLogger(__name__)
 

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from specdraft.data.atomic import write_json_atomic
 from specdraft.data.cache import StoredFields, write_cache
 from specdraft.data.chat import TokenizedConversation
 from specdraft.data.features import TokenBatch, collate, extract_features, length_batches, pad_token_id
-from specdraft.data.hardware import start
 from specdraft.data.target import Target
+from specdraft.system.files import write_json_atomic
+from specdraft.system.hardware import start
 
 
 def timed(fn: Callable[[], object]) -> float:

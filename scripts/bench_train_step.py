@@ -28,7 +28,7 @@ import torch
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
-from specdraft.data.hardware import detect_hardware, start
+from specdraft.system.hardware import detect_hardware, start
 from specdraft.train.cli import build_training_head
 from specdraft.train.losses import LossWeights
 from specdraft.train.objective import DraftObjective, RolloutConfig

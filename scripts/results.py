@@ -28,10 +28,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from specdraft.data.atomic import write_bytes_atomic, write_json_atomic
 from specdraft.data.regen import report_path
 from specdraft.eval.bench import read_records
 from specdraft.eval.report import compare_with_reference, summarize
+from specdraft.system.files import write_bytes_atomic, write_json_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "results.md"

@@ -1,6 +1,6 @@
-"""The quickstart's planner (train/budget.py make_plan): the budget split as documented, explicit
-sizes kept, a too-small budget refused with the minutes that would do; the probe's step clock.
-The probe itself runs in test_quickstart's end-to-end test."""
+"""The quickstart's planner (recipes/budget.py make_plan): the budget split as documented, explicit
+sizes kept, a too-small budget refused with the minutes that would do; the probe's step clock and
+cache rate (recipes/probe.py). The probe itself runs in test_quickstart's end-to-end test."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from specdraft.data.chat import TokenizedConversation
 from specdraft.data.conversations import Conversation, Message
 from specdraft.data.features import length_batches
 from specdraft.data.regen import GenerationSettings, TargetResponder
-from specdraft.train import budget
-from specdraft.train.budget import BudgetError, BudgetRules, ProbeSettings, Throughput, TrainShape, make_plan
+from specdraft.recipes import budget, probe
+from specdraft.recipes.budget import BudgetError, BudgetRules, TrainShape, make_plan
+from specdraft.recipes.probe import ProbeSettings, Throughput
 
 # Rates of the order measured on a 2-core AVX2 EPYC with SmolLM2 (fp32).
 THROUGHPUT = Throughput(
@@ -213,8 +214,8 @@ def test_the_probe_times_a_training_step_from_its_start_to_the_next_and_validati
     loader, its transfer, the noise): what the real run spends per step. A validation between two
     steps is timed on its own, not added to the step before it."""
     now = [0.0]
-    monkeypatch.setattr(budget.time, "perf_counter", lambda: now[0])
-    clock = budget._StepClock()
+    monkeypatch.setattr(probe.time, "perf_counter", lambda: now[0])
+    clock = probe._StepClock()
 
     def at(seconds, hook, *args):
         now[0] = seconds
@@ -243,36 +244,36 @@ def test_the_cache_probe_takes_the_writers_fixed_cost_out_of_its_rate(monkeypatc
     """A cache stage pays the writer's fixed cost (planning, the shard file, its hash) once; the
     probe's few thousand tokens would pay it per few thousand: a single sample measures it."""
     now = [0.0]
-    monkeypatch.setattr(budget.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(probe.time, "perf_counter", lambda: now[0])
 
     def write_cache(target, samples, out_dir, *args, **kwargs):  # 1.5 s + 1 ms per token
         now[0] += 1.5 + 0.001 * sum(len(s.input_ids) for s in samples)
 
-    monkeypatch.setattr(budget, "write_cache", write_cache)
+    monkeypatch.setattr(probe, "write_cache", write_cache)
     samples = [TokenizedConversation(str(i), [0] * 300, [1] * 300) for i in range(40)]
     settings = ProbeSettings(regen_new_tokens=2, cache_tokens=3000, train_steps=3)
-    rate = budget._probe_cache(None, samples, None, 1024, tmp_path / "features", settings)
+    rate = probe._probe_cache(None, samples, None, 1024, tmp_path / "features", settings)
     # 1,000 positions/s (not 3,000 / 4.5 s = 667), at a stage's padding (equal lengths: none here)
-    assert rate == pytest.approx(1000.0 / budget.CACHE_STAGE_PADDING)
+    assert rate == pytest.approx(1000.0 / probe.CACHE_STAGE_PADDING)
 
 
 def test_the_cache_probe_times_padded_positions_not_tokens(monkeypatch, tmp_path):
     """The target computes every position of a length bucket: the probe's few buckets are padded
     far more than a stage's hundreds, so its tokens/s would understate the stage's."""
     now = [0.0]
-    monkeypatch.setattr(budget.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(probe.time, "perf_counter", lambda: now[0])
 
     def write_cache(target, samples, out_dir, *args, batch_tokens, **kwargs):  # 1 ms per position
         lengths = [len(s.input_ids) for s in samples]
         batches = length_batches(lengths, batch_tokens)
         now[0] += 0.001 * sum(len(rows) * max(lengths[i] for i in rows) for rows in batches)
 
-    monkeypatch.setattr(budget, "write_cache", write_cache)
+    monkeypatch.setattr(probe, "write_cache", write_cache)
     lengths = [500 if i % 3 == 0 else 60 for i in range(60)]  # long and short in the same buckets
     samples = [TokenizedConversation(str(i), [0] * n, [1] * n) for i, n in enumerate(lengths)]
     settings = ProbeSettings(regen_new_tokens=2, cache_tokens=4000, train_steps=3)
-    rate = budget._probe_cache(None, samples, None, 2048, tmp_path / "features", settings)
-    assert rate == pytest.approx(1000.0 / budget.CACHE_STAGE_PADDING)
+    rate = probe._probe_cache(None, samples, None, 2048, tmp_path / "features", settings)
+    assert rate == pytest.approx(1000.0 / probe.CACHE_STAGE_PADDING)
 
 
 def test_the_probe_samples_only_the_first_turns_regeneration_answers(tiny_target):
@@ -287,6 +288,6 @@ def test_the_probe_samples_only_the_first_turns_regeneration_answers(tiny_target
 
     turns = [turn("short-0", 3), turn("long", 200), turn("short-1", 5), turn("short-2", 4)]
     assert responder.prompt_ids([{"role": "user", "content": " ".join(["word"] * 200)}]) is None
-    assert [c.id for c in budget.answered_turns(turns, responder, limit=2)] == ["short-0", "short-1"]
-    everything = budget.answered_turns(turns, responder, limit=10)
+    assert [c.id for c in probe.answered_turns(turns, responder, limit=2)] == ["short-0", "short-1"]
+    everything = probe.answered_turns(turns, responder, limit=10)
     assert [c.id for c in everything] == ["short-0", "short-1", "short-2"]

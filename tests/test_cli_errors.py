@@ -1,5 +1,5 @@
 """Every command's user errors: ONE line on stderr, ``<command>: error: …``, exit code 2, and the
-traceback only with SPECDRAFT_DEBUG=1 (data/errors.py). Each command runs in-process, as its
+traceback only with SPECDRAFT_DEBUG=1 (system/errors.py). Each command runs in-process, as its
 console script does, on the tiny target."""
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import torch
 from hydra.core.global_hydra import GlobalHydra
 
 from specdraft.data import cache_cli, prepare, regen_cli
-from specdraft.data.errors import USER_ERROR_EXIT_CODE, user_errors
 from specdraft.eval import cli as eval_cli
+from specdraft.recipes import depth_acceptance, quickstart, sweep_report
+from specdraft.system.errors import USER_ERROR_EXIT_CODE, user_errors
 from specdraft.train import cli as train_cli
-from specdraft.train import depth_acceptance, export, quickstart, sweep_report
+from specdraft.train import export
 from tests.test_bench import save_tiny_checkpoint
 
 

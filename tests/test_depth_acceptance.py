@@ -21,9 +21,9 @@ from specdraft.data.target import target_weights
 from specdraft.eval.cli import assistant_counts
 from specdraft.heads import Eagle3Config, Eagle3Head, EagleHead
 from specdraft.heads.rollout import rollout
-from specdraft.train import depth_acceptance
+from specdraft.recipes import depth_acceptance
+from specdraft.recipes.depth_acceptance import batch_counts, chain_counts, paired_chain_bootstrap, summarise
 from specdraft.train.cli import train
-from specdraft.train.depth_acceptance import batch_counts, chain_counts, paired_chain_bootstrap, summarise
 from specdraft.train.objective import simulated_tau
 from tests.test_rollout import decode_steps
 

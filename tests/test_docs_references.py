@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("heads", "data", "train", "eval", "conf")
+PACKAGES = ("system", "heads", "data", "train", "eval", "recipes", "conf")
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CODE = [
     path for package in (*PACKAGES, "scripts", "tests") for path in sorted((ROOT / package).rglob("*.py"))
@@ -21,7 +21,7 @@ CODE = [
 QUOTED_PATH = re.compile(r"`((?:\.\./)?[\w.-]+/[\w./-]*\.(?:py|md|yaml|json|jsonl|png|toml|sh|txt))`")
 LINK = re.compile(r"\]\(([^)#\s]+)\)")
 # specdraft.heads.rollout, or heads.registry.HEAD_KINDS (a package of ours, then attributes).
-DOTTED = re.compile(r"\b((?:specdraft\.)?(?:heads|data|train|eval)(?:\.[A-Za-z_]\w*)+)")
+DOTTED = re.compile(r"\b((?:specdraft\.)?(?:system|heads|data|train|eval|recipes)(?:\.[A-Za-z_]\w*)+)")
 SECTION_CITE = re.compile(r"architecture\.md §(\d+)")
 
 

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from specdraft.data.hardware import (
+from specdraft.system.hardware import (
     Hardware,
     detect_hardware,
     read_cpuinfo,
@@ -87,7 +87,7 @@ def test_the_reason_names_the_deciding_flags():
 def test_start_logs_the_machine_and_the_choices(caplog):
     threads = torch.get_num_threads()
     try:
-        with caplog.at_level(logging.INFO, logger="specdraft.data.hardware"):
+        with caplog.at_level(logging.INFO, logger="specdraft.system.hardware"):
             hardware = start("specdraft-test", 1, {"dtype": "float32"}, precision="32-true").hardware
         assert torch.get_num_threads() == 1
     finally:

@@ -13,8 +13,11 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from specdraft.eval.prompts import MT_BENCH_CATEGORIES
-from specdraft.train.budget import Plan, Throughput
-from specdraft.train.quickstart import load_or_make_plan, plan_path, prompt_set, run_stages, stages
+from specdraft.recipes.budget import Plan
+from specdraft.recipes.plan import load_or_make_plan, plan_path
+from specdraft.recipes.probe import Throughput
+from specdraft.recipes.quickstart import prompt_set, run_stages
+from specdraft.recipes.stages import stages
 
 PLAN = Plan(45, 700, 321, 9.0, {"probe": 60.0, "regen": 600.0, "cache train": 100.0,
             "cache heldout": 10.0, "train": 900.0, "export": 10.0, "eval": 540.0}, 81, 870.0)  # fmt: skip

@@ -1,4 +1,4 @@
-"""The one resume rule every job follows (data/atomic.py), and the durable append under it:
+"""The one resume rule every job follows (system/files.py), and the durable append under it:
 training runs, the benchmark, the feature cache and regeneration all store their settings with
 ``check_or_store_settings`` and refuse a re-run naming every differing key."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from specdraft.data.atomic import (
+from specdraft.system.files import (
     SettingsMismatch,
     append_durably,
     check_or_store_settings,

@@ -13,8 +13,8 @@ import pytest
 import yaml
 from conftest import assert_validated
 
+from specdraft.recipes.sweep_report import write_report
 from specdraft.train.loggers import has_wandb_credentials, wandb_mode
-from specdraft.train.sweep_report import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 

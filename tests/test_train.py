@@ -18,10 +18,10 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from specdraft.data.features import TokenBatch, extract_features
-from specdraft.data.hardware import resolve_precision
 from specdraft.data.target import target_weights
 from specdraft.heads import EagleHead
 from specdraft.heads.formats import read_checkpoint
+from specdraft.system.hardware import resolve_precision
 from specdraft.train.callbacks import TrainingDeadline
 from specdraft.train.cli import prefer_final_weights, train
 from specdraft.train.losses import LossWeights

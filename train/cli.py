@@ -30,16 +30,16 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from specdraft.data.atomic import write_json_atomic
 from specdraft.data.cache import stored_top_k
 from specdraft.data.datamodule import FeatureDataModule
-from specdraft.data.errors import user_errors
-from specdraft.data.hardware import start
 from specdraft.data.target import Target, target_weights
 from specdraft.heads.formats import read_head
 from specdraft.heads.interface import DraftHead
 from specdraft.heads.registry import build_head, config_record
 from specdraft.heads.vocab import draft_vocab_from_counts
+from specdraft.system.errors import user_errors
+from specdraft.system.files import write_json_atomic
+from specdraft.system.hardware import start
 from specdraft.train.callbacks import ThroughputMonitor, TrainingDeadline, peak_memory_bytes
 from specdraft.train.fused import DEFAULT_CHUNK_SIZE
 from specdraft.train.loggers import finish_loggers

@@ -22,11 +22,11 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from specdraft.data.errors import user_errors
-from specdraft.data.hardware import start
 from specdraft.data.target import Target, target_weights
 from specdraft.heads.formats import FORMATS, FormatError, read_checkpoint, read_export, write_export
 from specdraft.heads.formats.files import CONFIG_FILE, check_destination
+from specdraft.system.errors import user_errors
+from specdraft.system.hardware import start
 from specdraft.train.run_dir import LAST_CHECKPOINT
 
 log = logging.getLogger(__name__)

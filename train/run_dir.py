@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from specdraft.data.atomic import setting_differences, write_bytes_atomic
+from specdraft.system.files import setting_differences, write_bytes_atomic
 
 RUN_CONFIG = "run_config.yaml"
 LAST_CHECKPOINT = "checkpoints/last.ckpt"
@@ -47,7 +47,7 @@ def prepare_run_dir(
         raise RunDirError(f"resume must be auto, true or false, got {resume!r}")
     if stored_path.is_file():
         stored = yaml.safe_load(stored_path.read_text())
-        # The resume rule of data/atomic.py; the keys that may change are the config's resume_ignore.
+        # The resume rule of system/files.py; the keys that may change are the config's resume_ignore.
         differences = setting_differences(stored, config, [*ignore, "resume_ignore"])
         if differences and checkpoint.is_file():
             shown = "\n  ".join(differences[:12]) + ("\n  …" if len(differences) > 12 else "")

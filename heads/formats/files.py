@@ -1,15 +1,15 @@
 """An export directory on disk: ``config.json`` + ``model.safetensors``, written atomically.
 
-The files are staged in a hidden sibling directory and moved into place with one rename, so a
-reader (or a killed export) sees either no export or a complete one. An existing export is
-replaced only when asked to, and then only after the new one is complete.
+The files are staged in a hidden sibling directory and moved into place by rename
+(:func:`specdraft.system.files.write_dir_atomic`), so a reader (or a killed export) sees either no
+export or a complete one. An existing export is replaced only when asked to, and then only after
+the new one is complete.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from specdraft.heads.formats.record import FormatError
+from specdraft.system.files import write_dir_atomic
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -40,11 +41,8 @@ def write_export_dir(
     """Write ``config.json`` and ``model.safetensors`` into ``out_dir`` atomically."""
     out_dir = Path(out_dir)
     check_destination(out_dir, overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
+
+    def fill(staging: Path) -> None:
         # safetensors refuses shared or non-contiguous storage; exports own their tensors.
         save_file(
             {name: t.detach().cpu().contiguous().clone() for name, t in tensors.items()},
@@ -54,21 +52,9 @@ def write_export_dir(
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         for name in (WEIGHTS_FILE, CONFIG_FILE):
             os.chmod(staging / name, 0o644)  # safetensors creates its file private; engines read it
-            with open(staging / name, "rb") as handle:
-                os.fsync(handle.fileno())
-        check_destination(out_dir, overwrite)
-        retired = None
-        if out_dir.exists():
-            retired = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-            os.replace(out_dir, retired)
-        os.replace(staging, out_dir)
-        if retired is not None:
-            shutil.rmtree(retired)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    _fsync_dir(out_dir.parent)
-    return out_dir
+        check_destination(out_dir, overwrite)  # again: something may have appeared meanwhile
+
+    return write_dir_atomic(out_dir, fill)
 
 
 def read_export_dir(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Tensor]]:
@@ -113,11 +99,3 @@ def cast_floats(tensors: dict[str, Tensor], dtype: torch.dtype | None) -> dict[s
     if dtype is None:
         return dict(tensors)
     return {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
-
-
-def _fsync_dir(directory: Path) -> None:
-    handle = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)

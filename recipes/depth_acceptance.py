@@ -45,13 +45,10 @@ from omegaconf import OmegaConf
 from torch import Tensor
 from tqdm import tqdm
 
-from specdraft.data.atomic import write_json_atomic
 from specdraft.data.cache import token_hash
 from specdraft.data.chat import assistant_token_counts, tokenize_conversations
 from specdraft.data.conversations import select_conversations
-from specdraft.data.errors import user_errors
 from specdraft.data.features import FeatureBatch
-from specdraft.data.hardware import start
 from specdraft.data.target import Target
 from specdraft.eval.bench import machine_info
 from specdraft.eval.load import load_head
@@ -59,6 +56,9 @@ from specdraft.eval.report import BOOTSTRAP_SAMPLES, CONFIDENCE, percentile_inte
 from specdraft.heads import FeatureHead
 from specdraft.heads.interface import shift_left
 from specdraft.heads.rollout import rollout
+from specdraft.system.errors import user_errors
+from specdraft.system.files import write_json_atomic
+from specdraft.system.hardware import start
 from specdraft.train.cli import build_objective, features_for_objective
 from specdraft.train.objective import simulated_tau
 

@@ -1,6 +1,8 @@
-"""Files that survive a kill -9, and the rule for resuming what wrote them.
+"""Files that survive a kill -9, and the rule for resuming what wrote them. Imports the stdlib
+only: ``specdraft.heads`` writes its exports with it.
 
-* atomic writes: a reader sees the old file or the new one, never half of one;
+* atomic writes: a reader sees the old file or the new one, never half of one; a directory of
+  files (an export) is staged beside its destination and renamed into place whole;
 * durable appends: a line (or chunk) is on disk once the call returns; a kill mid-append leaves a
   torn last line, which :func:`cut_torn_tail` removes on the next start;
 * stored settings: a job writes the settings it runs with next to its outputs; a re-run resumes
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,17 +43,56 @@ def write_file_atomic(path: str | os.PathLike, fill: Callable[[Path], object]) -
     os.close(handle)
     try:
         fill(Path(staging))
-        with open(staging, "rb") as file:
-            os.fsync(file.fileno())
+        fsync_file(staging)
         os.replace(staging, path)
     except BaseException:
         Path(staging).unlink(missing_ok=True)
         raise
-    directory = os.open(path.parent, os.O_RDONLY)
+    fsync_dir(path.parent)  # make the rename itself durable
+
+
+def write_dir_atomic(path: str | os.PathLike, fill: Callable[[Path], object]) -> Path:
+    """``fill(staging)`` writes the files of a directory into a hidden sibling of ``path``; each
+    is fsynced, then the staging directory is renamed to ``path``. A directory already at ``path``
+    is renamed aside just before and removed once the new one is in place, so a reader (or a
+    kill) finds the old directory or the complete new one, never a part of either; ``fill`` may
+    raise to leave ``path`` untouched (the staging is removed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.parent / f".{path.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)  # a killed run's leftovers
+    staging.mkdir()
     try:
-        os.fsync(directory)  # make the rename itself durable
+        fill(staging)
+        for file in staging.iterdir():
+            fsync_file(file)
+        retired = None
+        if path.exists():
+            retired = path.parent / f".{path.name}.old-{os.getpid()}"
+            os.replace(path, retired)
+        os.replace(staging, path)
+        if retired is not None:
+            shutil.rmtree(retired)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    fsync_dir(path.parent)  # make the renames durable
+    return path
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush ``path``'s contents to disk."""
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """Make the renames and creations inside ``directory`` durable."""
+    handle = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(handle)
     finally:
-        os.close(directory)
+        os.close(handle)
 
 
 def file_sha256(path: str | os.PathLike, chunk_bytes: int = 1 << 22) -> str:

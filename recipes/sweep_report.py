@@ -26,8 +26,8 @@ from typing import Any
 
 import yaml
 
-from specdraft.data.atomic import write_bytes_atomic, write_json_atomic
-from specdraft.data.errors import user_errors
+from specdraft.system.errors import user_errors
+from specdraft.system.files import write_bytes_atomic, write_json_atomic
 from specdraft.train.run_dir import RUN_CONFIG, flatten_config
 
 DEFAULT_METRIC = "val/sim_tau"
