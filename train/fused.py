@@ -157,11 +157,11 @@ class _FusedVocabLosses(torch.autograd.Function):
     def forward(ctx, hidden: Tensor, weight: Tensor, call: _Call):
         # ``hidden`` and ``weight`` are ``call.draft``'s, read from there.
         plan = _plan(call)
-        sums = _sums(call, plan)
         steps, n, _ = hidden.shape
         chunk_size = call.chunk_size
         count = 4 if plan.needs_distribution else 3
         buffers = VocabBuffers(plan.w_target.shape[0], min(chunk_size, n), plan.acc, hidden.device, count)
+        sums = _sums(call, plan)
         for start in range(0, n, chunk_size):
             views = buffers.views(min(chunk_size, n - start))
             chunk = _chunk(call, plan, slice(start, start + chunk_size), views)
