@@ -20,13 +20,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from specdraft.data.cache import (
-    FeatureCache,
-    FeatureCaches,
-    StoredFields,
-    collate_cached,
-    tokenizer_fingerprint,
-)
+from specdraft.data.cache import StoredFields, tokenizer_fingerprint
+from specdraft.data.cache_dataset import FeatureCache, FeatureCaches, collate_cached
 from specdraft.data.chat import TokenizedConversation, tokenize_conversations
 from specdraft.data.conversations import ConversationSet, split_conversations
 from specdraft.data.features import (

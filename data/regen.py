@@ -21,7 +21,7 @@ settings; a restart with other settings is refused.
 
 Greedy first turns can also keep the target's features as the answers are computed
 (``features``: :class:`~specdraft.data.capture.FeatureCapture` in the generator, written by a
-:class:`~specdraft.data.cache.CapturedCacheWriter` as one shard per chunk before the chunk is
+:class:`~specdraft.data.captured_cache.CapturedCacheWriter` as one shard per chunk before the chunk is
 recorded as done), so that no cache stage runs the target over the same tokens again.
 """
 
@@ -43,8 +43,9 @@ from typing import Any, Protocol
 import torch
 from tqdm.auto import tqdm
 
-from specdraft.data.cache import CapturedCacheWriter, CapturedSample, StoredFields
+from specdraft.data.cache import StoredFields
 from specdraft.data.capture import FeatureCapture
+from specdraft.data.captured_cache import CapturedCacheWriter, CapturedSample
 from specdraft.data.conversations import Conversation
 from specdraft.data.generate import greedy_generate
 from specdraft.data.target import Target

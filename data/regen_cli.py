@@ -17,7 +17,8 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from specdraft.data.cache import CapturedCacheWriter, StoredFields
+from specdraft.data.cache import StoredFields
+from specdraft.data.captured_cache import CapturedCacheWriter
 from specdraft.data.conversations import select_conversations
 from specdraft.data.packed_linear import pack_linear_weights
 from specdraft.data.regen import (

@@ -41,7 +41,7 @@ from specdraft.eval.drafters import Drafter, TreeShape
 from specdraft.eval.graphs import resolve_graphs
 from specdraft.eval.kernels import GROUPED_QUERY_ATTENTION, use_grouped_query_attention
 from specdraft.eval.load import load_head
-from specdraft.eval.methods import ShapeChooser, build_method, tree_shape
+from specdraft.eval.methods import Method, ShapeChooser, build_method, tree_shape
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.shortlist import cached_assistant_counts
@@ -79,70 +79,15 @@ def _main(cfg: DictConfig, command: str) -> None:
 
 
 def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
-    batch_sizes = None
-    if cfg.get("batch_sizes") is not None:  # checked before anything is loaded
-        sizes = cfg.batch_sizes
-        sizes = OmegaConf.to_container(sizes) if OmegaConf.is_config(sizes) else sizes
-        batch_sizes = check_batch_sizes(sizes, "batch_sizes")
-    start(command, cfg.threads, cfg.target)
-    target: Target = instantiate(cfg.target)
-    if cfg.packed_weights:
-        log.info("linear layers pre-packed for oneDNN: %d of the target", pack_linear_weights(target.model))
-    if cfg.grouped_query_attention and use_grouped_query_attention(target.model):
-        log.info(
-            "attention: masked multi-token queries (one-token bf16 ones on a CPU) on the key/value "
-            "heads (%s)",
-            GROUPED_QUERY_ATTENTION,
-        )
+    """Decodes ``cfg.prompts`` with plain decoding and every method of ``cfg.methods``, interleaved
+    per question, at every temperature; returns the report (the batched benchmark's with
+    ``batch_sizes``)."""
+    batch_sizes = configured_batch_sizes(cfg)  # checked before anything is loaded
+    target = load_target(cfg, command)
     questions = instantiate(cfg.prompts)
     if not questions:
         raise ValueError(f"prompts {cfg.prompts}: no questions")
-    head_dtype = getattr(torch, cfg.head_dtype) if cfg.head_dtype else None
-    eos_ids = target.spec.eos_token_ids
-
-    def frozen_head(path: str) -> torch.nn.Module:
-        head = load_head(path, target, head_dtype)
-        if cfg.packed_weights:  # its few-row matmuls gain as much as the target's (data/packed_linear.py)
-            pack_linear_weights(head)
-        return head
-
-    # Loaded on first use and shared by the methods that need them.
-    heads = functools.cache(frozen_head)
-    draft_model = functools.cache(
-        lambda: load_draft_model(target, cfg.draft_model.path, cfg.draft_model.num_layers)
-    )
-    counts = functools.cache(
-        lambda: (
-            cached_assistant_counts(cfg.shortlist.cache, target.spec.vocab_size)
-            if cfg.shortlist.get("cache")
-            else assistant_counts(cfg.shortlist, target)
-        )
-    )
-    shortlist = functools.cache(
-        lambda size=None: vocab_shortlist(counts, cfg.shortlist.size if size is None else size)
-    )
-    graphs = resolve_graphs(cfg.graphs, target.device)
-    methods = [
-        build_method(
-            name,
-            spec,
-            target,
-            heads=heads,
-            draft_model=draft_model,
-            shortlist=shortlist,
-            eos_ids=eos_ids,
-            max_new_tokens=cfg.max_new_tokens,
-            typical=Typical(**cfg.typical),
-            choose_shape=shape_chooser(cfg, target, graphs),
-            compile=cfg.compile,
-            graphs=graphs,
-        )
-        for name, spec in {
-            "plain": {"type": "plain"},
-            **OmegaConf.to_container(cfg.methods, resolve=True),
-        }.items()
-        if spec is not None
-    ]
+    methods = configured_methods(cfg, target)
     log.info(
         "methods: %s; %d questions × temperatures %s",
         [m.name for m in methods],
@@ -179,6 +124,78 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
         max_seconds=max_seconds,
         **run_settings,
     )
+
+
+def configured_batch_sizes(cfg: DictConfig) -> list[int] | None:
+    """``cfg.batch_sizes`` checked (None: not the batched benchmark)."""
+    if cfg.get("batch_sizes") is None:
+        return None
+    sizes = cfg.batch_sizes
+    sizes = OmegaConf.to_container(sizes) if OmegaConf.is_config(sizes) else sizes
+    return check_batch_sizes(sizes, "batch_sizes")
+
+
+def load_target(cfg: DictConfig, command: str) -> Target:
+    """The target of ``cfg.target``, loaded once the process is set up for ``command`` (threads,
+    the machine's record), with the kernel paths the config asks for."""
+    start(command, cfg.threads, cfg.target)
+    target: Target = instantiate(cfg.target)
+    if cfg.packed_weights:
+        log.info("linear layers pre-packed for oneDNN: %d of the target", pack_linear_weights(target.model))
+    if cfg.grouped_query_attention and use_grouped_query_attention(target.model):
+        log.info(
+            "attention: masked multi-token queries (one-token bf16 ones on a CPU) on the key/value "
+            "heads (%s)",
+            GROUPED_QUERY_ATTENTION,
+        )
+    return target
+
+
+def configured_methods(cfg: DictConfig, target: Target) -> list[Method]:
+    """Plain decoding, then every method of ``cfg.methods`` (a null one left out), on ``target``."""
+    head_dtype = getattr(torch, cfg.head_dtype) if cfg.head_dtype else None
+
+    def frozen_head(path: str) -> torch.nn.Module:
+        head = load_head(path, target, head_dtype)
+        if cfg.packed_weights:  # its few-row matmuls gain as much as the target's (data/packed_linear.py)
+            pack_linear_weights(head)
+        return head
+
+    # Loaded on first use and shared by the methods that need them.
+    heads = functools.cache(frozen_head)
+    draft_model = functools.cache(
+        lambda: load_draft_model(target, cfg.draft_model.path, cfg.draft_model.num_layers)
+    )
+    counts = functools.cache(
+        lambda: (
+            cached_assistant_counts(cfg.shortlist.cache, target.spec.vocab_size)
+            if cfg.shortlist.get("cache")
+            else assistant_counts(cfg.shortlist, target)
+        )
+    )
+    shortlist = functools.cache(
+        lambda size=None: vocab_shortlist(counts, cfg.shortlist.size if size is None else size)
+    )
+    graphs = resolve_graphs(cfg.graphs, target.device)
+    specs = {"plain": {"type": "plain"}, **OmegaConf.to_container(cfg.methods, resolve=True)}
+    return [
+        build_method(
+            name,
+            spec,
+            target,
+            heads=heads,
+            draft_model=draft_model,
+            shortlist=shortlist,
+            eos_ids=target.spec.eos_token_ids,
+            max_new_tokens=cfg.max_new_tokens,
+            typical=Typical(**cfg.typical),
+            choose_shape=shape_chooser(cfg, target, graphs),
+            compile=cfg.compile,
+            graphs=graphs,
+        )
+        for name, spec in specs.items()
+        if spec is not None
+    ]
 
 
 def shape_chooser(cfg: DictConfig, target: Target, graphs: bool) -> ShapeChooser:

@@ -14,14 +14,13 @@ import torch
 from specdraft.data import cache as cache_module
 from specdraft.data.cache import (
     CacheError,
-    FeatureCache,
     StoredFields,
-    collate_cached,
     plan_shards,
     tokenizer_fingerprint,
     validate_cache,
     write_cache,
 )
+from specdraft.data.cache_dataset import FeatureCache, collate_cached
 from specdraft.data.chat import tokenize_conversation
 from specdraft.data.conversations import Conversation, Message
 from specdraft.data.features import collate, extract_features, length_batches
@@ -90,7 +89,7 @@ def test_plan_shards_covers_every_sample_in_order():
 def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path, tiny_target, monkeypatch):
     samples = samples_for(tiny_target)
     write(tiny_target, samples, tmp_path / "reference")
-    real_write_shard, written = cache_module._write_shard, []
+    real_write_shard, written = cache_module.write_shard, []
 
     def crash_after_two(out_dir, name, tensors, shard_samples):
         if len(written) == 2:
@@ -101,7 +100,7 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path, tiny_target,
         written.append(name)
         real_write_shard(out_dir, name, tensors, shard_samples)
 
-    monkeypatch.setattr(cache_module, "_write_shard", crash_after_two)
+    monkeypatch.setattr(cache_module, "write_shard", crash_after_two)
     with pytest.raises(KeyboardInterrupt):
         write(tiny_target, samples, tmp_path / "resumed")
     assert not (tmp_path / "resumed" / "manifest.json").exists()

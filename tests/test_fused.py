@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from specdraft.heads.vocab import draft_vocab_from_counts, target_to_draft_index
-from specdraft.train import fused
-from specdraft.train.fused import TERMS, fused_vocab_losses
+from specdraft.train import vocab_major
+from specdraft.train.fused import TERMS, DraftSide, TargetSide, fused_vocab_losses
 from specdraft.train.losses import LossWeights, step_loss
 
 
@@ -87,11 +88,22 @@ def random_problem(seed: int, steps: int, n: int, reduced: bool, unlabelled_ever
 
 
 def loss_inputs(problem: SimpleNamespace, step_weights: list[float], weights: LossWeights) -> tuple:
-    """``reference`` / ``fused_vocab_losses``' arguments after the draft and target projections."""
+    """``reference``'s arguments after the draft and target projections."""
     return (
         problem.valid, step_weights, weights, problem.vocab, problem.t2d_index, problem.topk_ids,
         problem.topk_probs, problem.labels,
     )  # fmt: skip
+
+
+def sides(problem: SimpleNamespace, step_weights: list[float]) -> tuple[DraftSide, TargetSide]:
+    """The same problem as ``fused_vocab_losses``' draft and target sides."""
+    draft = DraftSide(
+        problem.hidden, problem.weight, problem.valid, step_weights, problem.vocab, problem.t2d_index
+    )
+    target = TargetSide(
+        problem.target_hidden, problem.target_weight, problem.topk_ids, problem.topk_probs, problem.labels
+    )
+    return draft, target
 
 
 @pytest.mark.parametrize("reduced", [False, True])
@@ -102,10 +114,11 @@ def test_fused_equals_reference(reduced, chunk_size):
     projections = (hidden, weight, problem.target_hidden, problem.target_weight)
     weights = LossWeights(soft_ce=0.3, forward_kl=0.2, topk=1.5, topk_k=K, ce=0.7)
     inputs = loss_inputs(problem, [1.0, 0.5, 0.25], weights)
+    draft, target = sides(problem, [1.0, 0.5, 0.25])
 
     expected, values, matches = reference(*projections, *inputs)
     expected_grads = torch.autograd.grad(expected, [hidden, weight])
-    out = fused_vocab_losses(*projections, *inputs, chunk_size=chunk_size)
+    out = fused_vocab_losses(draft, target, weights, chunk_size)
     grads = torch.autograd.grad(out.loss * 2.0, [hidden, weight])  # the upstream gradient is applied
     torch.testing.assert_close(out.loss.double(), expected.double(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(
@@ -117,9 +130,7 @@ def test_fused_equals_reference(reduced, chunk_size):
         # losses.py computes its softmaxes in fp32: agreement to fp32 rounding.
         torch.testing.assert_close(got, 2.0 * want, rtol=1e-5, atol=1e-6)
     # The target's argmax given (its cached top-1) instead of computed: the same result.
-    given = fused_vocab_losses(
-        *projections, *inputs, chunk_size=chunk_size, target_argmax=problem.topk_ids[:, 0]
-    )
+    given = fused_vocab_losses(draft, replace(target, argmax=problem.topk_ids[:, 0]), weights, chunk_size)
     torch.testing.assert_close(given.loss, out.loss)
     assert given.matches.tolist() == matches
 
@@ -135,10 +146,11 @@ def test_sparse_targets_alone_never_read_the_target_distribution(reduced):
     inputs = loss_inputs(problem, [1.0, 0.7], weights)
     expected, values, matches = reference(hidden, weight, target_hidden, problem.target_weight, *inputs)
     expected_grads = torch.autograd.grad(expected, [hidden, weight])
-    out = fused_vocab_losses(
-        hidden, weight, torch.full_like(target_hidden, float("nan")), problem.target_weight, *inputs,
-        chunk_size=5, target_argmax=problem.topk_ids[:, 0],
-    )  # fmt: skip
+    draft, target = sides(problem, [1.0, 0.7])
+    unread = replace(
+        target, hidden=torch.full_like(target_hidden, float("nan")), argmax=problem.topk_ids[:, 0]
+    )
+    out = fused_vocab_losses(draft, unread, weights, chunk_size=5)
     grads = torch.autograd.grad(out.loss, [hidden, weight])
     torch.testing.assert_close(out.loss.double(), expected.double(), rtol=1e-6, atol=1e-6)
     for column in (TERMS.index("topk"), TERMS.index("ce")):
@@ -152,27 +164,14 @@ def test_sparse_targets_alone_never_read_the_target_distribution(reduced):
 def test_frozen_projection_gets_no_gradient():
     hidden = torch.randn(1, 5, 4, requires_grad=True)
     weight = torch.randn(7, 4)
+    draft = DraftSide(hidden, weight, torch.ones(1, 5, dtype=torch.bool), [1.0])
     out = fused_vocab_losses(
-        hidden,
-        weight,
-        torch.randn(5, 4),
-        torch.randn(7, 4),
-        torch.ones(1, 5, dtype=torch.bool),
-        [1.0],
-        LossWeights(soft_ce=1.0),
+        draft, TargetSide(torch.randn(5, 4), torch.randn(7, 4)), LossWeights(soft_ce=1.0)
     )
     out.loss.backward()
     assert hidden.grad is not None and weight.grad is None
     with pytest.raises(ValueError, match="'topk' has weight"):
-        fused_vocab_losses(
-            hidden,
-            weight,
-            torch.randn(5, 4),
-            torch.randn(7, 4),
-            torch.ones(1, 5, dtype=torch.bool),
-            [1.0],
-            LossWeights(topk=1.0),
-        )
+        fused_vocab_losses(draft, TargetSide(torch.randn(5, 4), torch.randn(7, 4)), LossWeights(topk=1.0))
 
 
 def test_per_step_projections_and_no_grad():
@@ -196,18 +195,19 @@ def test_per_step_projections_and_no_grad():
         for j in range(steps)
     )  # fmt: skip
     expected_grads = torch.autograd.grad(expected, [hidden, weight])
-    arguments = (hidden, weight, target_hidden, target_weight, valid, step_weights, weights)
-    out = fused_vocab_losses(*arguments, labels=labels, chunk_size=4)
+    draft = DraftSide(hidden, weight, valid, step_weights)
+    target = TargetSide(target_hidden, target_weight, labels=labels)
+    out = fused_vocab_losses(draft, target, weights, chunk_size=4)
     torch.testing.assert_close(out.loss.double(), expected.double(), rtol=1e-6, atol=1e-6)
     for got, want in zip(torch.autograd.grad(out.loss, [hidden, weight]), expected_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     with torch.no_grad():
-        evaluated = fused_vocab_losses(*arguments, labels=labels, chunk_size=4)
+        evaluated = fused_vocab_losses(draft, target, weights, chunk_size=4)
     assert evaluated.loss.grad_fn is None
     torch.testing.assert_close(evaluated.loss, out.loss.detach())
     torch.testing.assert_close(evaluated.terms, out.terms)
     with pytest.raises(ValueError, match="3 per-step draft weights for 2 steps"):
-        fused_vocab_losses(hidden, torch.randn(3, vocab_size, h, dtype=dtype), *arguments[2:])
+        fused_vocab_losses(replace(draft, weight=torch.randn(3, vocab_size, h, dtype=dtype)), target, weights)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -221,7 +221,7 @@ def test_bf16_inputs_agree_with_the_fp64_reference(per_step, gathered, device, m
     rounding of the logits, with oneDNN's matmuls on a CPU and cuBLAS's on a GPU."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    monkeypatch.setattr(fused, "WEIGHT_GRAD_POSITIONS", gathered)
+    monkeypatch.setattr(vocab_major, "WEIGHT_GRAD_POSITIONS", gathered)
     torch.manual_seed(2)
     steps, n, h, vocab_size = 2, 40, 16, 50
     hidden = torch.randn(steps, n, h).bfloat16().to(device).requires_grad_()
@@ -232,7 +232,7 @@ def test_bf16_inputs_agree_with_the_fp64_reference(per_step, gathered, device, m
     valid = torch.rand(steps, n).to(device) > 0.2
     weights, step_weights = LossWeights(soft_ce=1.0), [1.0, 0.5]
     out = fused_vocab_losses(
-        hidden, weight, target_hidden, target_weight, valid, step_weights, weights, chunk_size=16
+        DraftSide(hidden, weight, valid, step_weights), TargetSide(target_hidden, target_weight), weights, 16
     )
     got = torch.autograd.grad(out.loss, [hidden, weight])
     hidden64, weight64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
@@ -258,7 +258,7 @@ def test_bf16_inputs_agree_with_the_fp64_reference(per_step, gathered, device, m
 def test_the_argmax_is_the_first_maximal_index_among_ties():
     """Logits rounded to bf16 tie often (~6 % of 8k-row columns): the argmax read off the
     maximum must be the first maximal row, as torch.argmax gives."""
-    from specdraft.train.fused import _first_argmax
+    from specdraft.train.vocab_major import first_argmax
 
     torch.manual_seed(3)
     logits = (3 * torch.randn(4096, 64)).bfloat16().float()
@@ -267,13 +267,13 @@ def test_the_argmax_is_the_first_maximal_index_among_ties():
     assert ((logits == logits.amax(0)).sum(0) > 1).sum() > 3  # ties besides the planted ones
     last_first = torch.arange(logits.shape[0], 0, -1, dtype=logits.dtype).unsqueeze(-1)
     shifted = logits - logits.amax(0, keepdim=True)
-    got = _first_argmax(shifted, torch.empty_like(logits), last_first)
+    got = first_argmax(shifted, torch.empty_like(logits), last_first)
     assert torch.equal(got, logits.argmax(0))
     assert got[:2].tolist() == [0, 7]
 
 
 def test_frozen_rows_are_kept_while_the_lm_head_is_unchanged_and_refused_for_another_projection():
-    from specdraft.train.fused import FrozenRows
+    from specdraft.train.vocab_major import FrozenRows
 
     torch.manual_seed(4)
     lm_head, vocab = torch.randn(30, 8), torch.tensor([2, 5, 7, 11])
@@ -287,9 +287,13 @@ def test_frozen_rows_are_kept_while_the_lm_head_is_unchanged_and_refused_for_ano
 
     hidden = torch.randn(1, 6, 8, requires_grad=True)
     full = FrozenRows(lm_head, None, torch.float32)
-    args = (torch.randn(6, 8), lm_head, torch.ones(1, 6, dtype=torch.bool), [1.0], LossWeights(soft_ce=1.0))
-    kept = fused_vocab_losses(hidden, full.rows, *args, frozen=full)
-    fresh = fused_vocab_losses(hidden, lm_head, *args)
+    valid, target, weights = (
+        torch.ones(1, 6, dtype=torch.bool),
+        TargetSide(torch.randn(6, 8), lm_head),
+        LossWeights(soft_ce=1.0),
+    )
+    kept = fused_vocab_losses(DraftSide(hidden, full.rows, valid, [1.0], frozen=full), target, weights)
+    fresh = fused_vocab_losses(DraftSide(hidden, lm_head, valid, [1.0]), target, weights)
     torch.testing.assert_close(kept.loss, fresh.loss)
     with pytest.raises(ValueError, match="frozen rows given for another projection"):
-        fused_vocab_losses(hidden, lm_head.clone(), *args, frozen=full)
+        fused_vocab_losses(DraftSide(hidden, lm_head.clone(), valid, [1.0], frozen=full), target, weights)

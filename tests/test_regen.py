@@ -7,7 +7,9 @@ from typing import ClassVar
 import pytest
 import torch
 
-from specdraft.data.cache import CacheError, CapturedCacheWriter, FeatureCache, StoredFields
+from specdraft.data.cache import CacheError, StoredFields
+from specdraft.data.cache_dataset import FeatureCache
+from specdraft.data.captured_cache import CapturedCacheWriter
 from specdraft.data.chat import TokenizedConversation
 from specdraft.data.conversations import Conversation, Message, is_heldout, read_jsonl
 from specdraft.data.datamodule import FeatureDataModule
@@ -225,7 +227,8 @@ def test_openai_backend_needs_a_url():
 
 def test_regenerated_output_feeds_the_training_data_path(tmp_path, tiny_target):
     """read back → tokenize → cache → FeatureCache: the path a head trains from."""
-    from specdraft.data.cache import FeatureCache, StoredFields, write_cache
+    from specdraft.data.cache import StoredFields, write_cache
+    from specdraft.data.cache_dataset import FeatureCache
     from specdraft.data.chat import tokenize_conversations
 
     run(RecordingResponder(), tmp_path / "out.jsonl")

@@ -24,8 +24,15 @@ from torch import Tensor
 from specdraft.data.features import FeatureBatch, target_topk
 from specdraft.heads.interface import DraftHead, shift_left
 from specdraft.heads.vocab import VocabProjection, VocabRestriction
-from specdraft.train.fused import DEFAULT_CHUNK_SIZE, TERMS, FrozenRows, fused_vocab_losses
+from specdraft.train.fused import (
+    DEFAULT_CHUNK_SIZE,
+    TERMS,
+    DraftSide,
+    TargetSide,
+    fused_vocab_losses,
+)
 from specdraft.train.losses import LossWeights, feature_regression
+from specdraft.train.vocab_major import FrozenRows
 
 
 @dataclass(frozen=True)
@@ -202,23 +209,25 @@ class DraftObjective:
             restriction = self._restriction(head, projection, vocab, rollout)
             projection = projection.restricted_to(restriction, None if frozen is None else frozen.rows)
         target_hidden = batch.hidden[b, q]
-        cached_argmax = batch.topk_ids[b, q, 0] if batch.topk_ids is not None else None
-        return fused_vocab_losses(
-            projection.inputs,
-            projection.weight,
-            target_hidden,
-            head.target_lm_head,
-            valid,
-            step_weights,
-            self.weights,
-            projection.draft_vocab,
-            projection.target_to_draft,
-            *self._target_topk(batch, b, q, head, target_hidden),
-            labels,
-            self.chunk_size,
-            cached_argmax,
-            frozen,
+        topk_ids, topk_probs = self._target_topk(batch, b, q, head, target_hidden)
+        draft = DraftSide(
+            hidden=projection.inputs,
+            weight=projection.weight,
+            valid=valid,
+            step_weights=step_weights,
+            vocab=projection.draft_vocab,
+            target_to_draft=projection.target_to_draft,
+            frozen=frozen,
         )
+        target = TargetSide(
+            hidden=target_hidden,
+            lm_head=head.target_lm_head,
+            topk_ids=topk_ids,
+            topk_probs=topk_probs,
+            labels=labels,
+            argmax=batch.topk_ids[b, q, 0] if batch.topk_ids is not None else None,
+        )
+        return fused_vocab_losses(draft, target, self.weights, self.chunk_size)
 
     def _restriction(
         self, head: DraftHead, projection: VocabProjection, vocab: Tensor, rollout: bool
