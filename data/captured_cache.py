@@ -17,7 +17,6 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from specdraft.data.atomic import SettingsMismatch, check_or_store_settings, write_json_atomic
 from specdraft.data.cache import (
     CACHE_FORMAT_VERSION,
     CacheError,
@@ -32,6 +31,7 @@ from specdraft.data.cache import (
 from specdraft.data.chat import TokenizedConversation
 from specdraft.data.conversations import is_heldout
 from specdraft.data.target import Target
+from specdraft.system.files import SettingsMismatch, check_or_store_settings, write_json_atomic
 
 
 @dataclass(frozen=True)
