@@ -20,6 +20,7 @@ import hydra
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationKeyError
 
 from specdraft.data.atomic import write_json_atomic
 from specdraft.data.chat import assistant_token_counts, tokenize_conversations
@@ -130,10 +131,7 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
             compile=cfg.compile,
             graphs=graphs,
         )
-        for name, spec in {
-            "plain": {"type": "plain"},
-            **OmegaConf.to_container(cfg.methods, resolve=True),
-        }.items()
+        for name, spec in {"plain": {"type": "plain"}, **method_configs(cfg)}.items()
         if spec is not None
     ]
     log.info(
@@ -143,8 +141,9 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
         list(cfg.temperatures),
     )
     # The time box limits this invocation, it does not change what is measured: a resumed run may
-    # have another one.
-    config = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "max_minutes"}
+    # have another one. The shape catalogue is not a setting either: what runs is in the methods.
+    unrecorded = ("max_minutes", "shapes")
+    config = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in unrecorded}
     temperatures = [float(t) for t in cfg.temperatures]
     out_dir, sampling_for = Path(cfg.paths.output_dir), lambda t: Sampling(t, cfg.top_p, cfg.top_k)
     run_settings = {"seed": cfg.seed, "resume": cfg.resume, "progress": cfg.progress, "warmup": cfg.warmup}
@@ -172,6 +171,25 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
         max_seconds=max_seconds,
         **run_settings,
     )
+
+
+def method_configs(cfg: DictConfig) -> dict[str, Any]:
+    """``cfg.methods`` resolved: each ``shape: ${shapes.<name>}`` becomes its mapping from
+    conf/shapes.yaml; a name that is not there is one error that names the known ones."""
+    known = f"known shapes (conf/shapes.yaml): {', '.join(cfg.shapes)}"
+    try:
+        methods = OmegaConf.to_container(cfg.methods, resolve=True)
+    except InterpolationKeyError as error:
+        if "shapes." not in str(error):
+            raise
+        raise ValueError(f"{error}\n{known}") from None
+    for name, method in methods.items():
+        shape = (method or {}).get("shape")
+        if isinstance(shape, str):  # a bare name: the catalogue is read by interpolation only
+            raise ValueError(
+                f"method {name}: shape {shape!r}: a named shape is written ${{shapes.{shape}}}; {known}"
+            )
+    return methods
 
 
 def shape_chooser(cfg: DictConfig, target: Target, graphs: bool) -> ShapeChooser:
