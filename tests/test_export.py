@@ -37,7 +37,7 @@ KINDS = {
     "eagle-bias": {"fc_bias": True},
     "eagle3": {"draft_vocab_size": 100},
     "eagle3-full": {"draft_vocab_size": None},
-    "medusa": {"num_heads": 2, "num_layers": 2},
+    "medusa": {"num_heads": 2, "num_layers": 2, "own_lm_head": False},
     "medusa-own": {"num_heads": 2, "num_layers": 1, "own_lm_head": True},
 }
 
@@ -148,7 +148,11 @@ def test_export_reads_back_bit_for_bit(target, tmp_path, name, dtype):
 
 @pytest.mark.parametrize("name", ["eagle", "eagle3", "medusa"])
 def test_native_export_drafts_exactly_like_the_checkpoint(target, tmp_path, name):
-    config = {"eagle": {}, "eagle3": {"draft_vocab_size": 100}, "medusa": {"num_heads": 3}}[name]
+    config = {
+        "eagle": {"fc_bias": False},
+        "eagle3": {"draft_vocab_size": 100},
+        "medusa": {"num_heads": 3, "num_layers": 1, "own_lm_head": False},
+    }[name]
     checkpoint = save_checkpoint(tmp_path / "head.ckpt", trained_record(target, name, config))
     record = read_checkpoint(checkpoint)
     out = write_export(tmp_path / "native", record, "native", target_spec=target.spec)

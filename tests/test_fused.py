@@ -160,6 +160,7 @@ def test_frozen_projection_gets_no_gradient():
         torch.ones(1, 5, dtype=torch.bool),
         [1.0],
         LossWeights(soft_ce=1.0),
+        chunk_size=128,
     )
     out.loss.backward()
     assert hidden.grad is not None and weight.grad is None
@@ -172,6 +173,7 @@ def test_frozen_projection_gets_no_gradient():
             torch.ones(1, 5, dtype=torch.bool),
             [1.0],
             LossWeights(topk=1.0),
+            chunk_size=128,
         )
 
 
@@ -207,7 +209,7 @@ def test_per_step_projections_and_no_grad():
     torch.testing.assert_close(evaluated.loss, out.loss.detach())
     torch.testing.assert_close(evaluated.terms, out.terms)
     with pytest.raises(ValueError, match="3 per-step draft weights for 2 steps"):
-        fused_vocab_losses(hidden, torch.randn(3, vocab_size, h, dtype=dtype), *arguments[2:])
+        fused_vocab_losses(hidden, torch.randn(3, vocab_size, h, dtype=dtype), *arguments[2:], chunk_size=128)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -288,8 +290,8 @@ def test_frozen_rows_are_kept_while_the_lm_head_is_unchanged_and_refused_for_ano
     hidden = torch.randn(1, 6, 8, requires_grad=True)
     full = FrozenRows(lm_head, None, torch.float32)
     args = (torch.randn(6, 8), lm_head, torch.ones(1, 6, dtype=torch.bool), [1.0], LossWeights(soft_ce=1.0))
-    kept = fused_vocab_losses(hidden, full.rows, *args, frozen=full)
-    fresh = fused_vocab_losses(hidden, lm_head, *args)
+    kept = fused_vocab_losses(hidden, full.rows, *args, frozen=full, chunk_size=128)
+    fresh = fused_vocab_losses(hidden, lm_head, *args, chunk_size=128)
     torch.testing.assert_close(kept.loss, fresh.loss)
     with pytest.raises(ValueError, match="frozen rows given for another projection"):
-        fused_vocab_losses(hidden, lm_head.clone(), *args, frozen=full)
+        fused_vocab_losses(hidden, lm_head.clone(), *args, frozen=full, chunk_size=128)

@@ -78,7 +78,7 @@ def test_oracle_feature_head_is_perfect_and_steps_drop_early_positions(tiny_targ
     head = OracleEagle(tiny_target.spec, target_weights(tiny_target))
     head.truth = batch.hidden
     objective = DraftObjective(
-        LossWeights(feature=1.0, soft_ce=0.1), RolloutConfig(STEPS, 1.0), eval_steps=STEPS
+        LossWeights(feature=1.0, soft_ce=0.1), RolloutConfig(STEPS, 1.0), eval_steps=STEPS, chunk_size=128
     )
     with torch.no_grad():
         out = objective(head, batch, train=False)
@@ -100,12 +100,16 @@ def test_oracle_feature_head_is_perfect_and_steps_drop_early_positions(tiny_targ
 
 def test_oracle_medusa_heads_are_perfect(tiny_target, batch):
     heads = 3
-    head = OracleMedusa(tiny_target.spec, target_weights(tiny_target), MedusaConfig(num_heads=heads))
+    head = OracleMedusa(
+        tiny_target.spec,
+        target_weights(tiny_target),
+        MedusaConfig(num_heads=heads, num_layers=1, own_lm_head=False),
+    )
     head.hidden = batch.hidden
     assert torch.unique(batch.hidden[batch.attention_mask.bool()], dim=0).shape[0] == int(
         batch.attention_mask.sum()
     )  # every real position has its own hidden state, so the oracle can look it up
-    objective = DraftObjective(LossWeights(ce=1.0), RolloutConfig(1, 0.8))
+    objective = DraftObjective(LossWeights(ce=1.0), RolloutConfig(1, 0.8), eval_steps=4, chunk_size=128)
     with torch.no_grad():
         out = objective(head, batch, train=False)
     assert out.accuracy == [1.0] * heads

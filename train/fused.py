@@ -31,7 +31,6 @@ from torch import Tensor
 from specdraft.train.losses import LossWeights
 
 TERMS = ("soft_ce", "forward_kl", "topk", "ce")
-DEFAULT_CHUNK_SIZE = 128  # 4–5 buffers of 128 × 49k fp32 = 25 MB; 256 or 512: no faster (EAGLE, AVX2 EPYC)
 # A trainable projection's gradient in reduced precision: the logit gradients of this many
 # positions (of any chunks and steps sharing the projection) are gathered before ONE matmul, whose
 # V×H product is cast and added to the fp32 gradient once per gathering instead of once per chunk
@@ -73,7 +72,8 @@ def fused_vocab_losses(
     topk_ids: Tensor | None = None,
     topk_probs: Tensor | None = None,
     labels: Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    chunk_size: int,
     target_argmax: Tensor | None = None,
     frozen: FrozenRows | None = None,
 ) -> FusedOutput:
@@ -91,6 +91,7 @@ def fused_vocab_losses(
     target_to_draft V      draft id of each target id, −1 outside (with draft_vocab)
     topk_ids/probs  N×K    the target's top-K (target ids) for ``topk``; labels N target ids
                            (−1: none) for ``ce``
+    chunk_size             positions per chunk (conf/train.yaml loss.chunk_size)
     target_argmax   N      the target's argmax when known (its cached top-1): with a reduced
                            vocab the full target logits are then never computed
     frozen          ``draft_weight`` is these prepared rows of ``target_weight`` (:class:`FrozenRows`)
