@@ -62,6 +62,7 @@ def compose_bench(tmp_path: Path, config_name: str = "bench", *overrides: str, k
                 "shortlist.source._target_=specdraft.data.tiny.tiny_conversations",
                 "~shortlist.source.limit",
                 "+shortlist.source.count=40",
+                "+shortlist.source.seed=0",
                 "shortlist.size=120",
                 "progress=false",
                 f"paths.output_dir={tmp_path / 'out'}",
