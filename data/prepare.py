@@ -60,7 +60,10 @@ def main(cfg: DictConfig) -> None:
         target.tokenizer, sample, cfg.data.max_length, cfg.progress
     )
     throughput = measure_feature_throughput(target, tokenized, cfg.batch_tokens, cfg.top_k, cfg.progress)
-    greedy = TargetResponder(target, GenerationSettings(max_new_tokens=cfg.chat_check.max_new_tokens))
+    greedy = TargetResponder(
+        target,
+        GenerationSettings(temperature=0.0, top_p=1.0, max_new_tokens=cfg.chat_check.max_new_tokens, seed=0),
+    )
     answer = greedy([[{"role": "user", "content": cfg.chat_check.prompt}]], seed=0)[0]
     log.info("chat check: %r -> %r", cfg.chat_check.prompt, answer)
 

@@ -76,10 +76,13 @@ class Responder(Protocol):
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    max_new_tokens: int = 512
-    seed: int = 0
+    """How the target answers (conf/regen.yaml ``generation`` sets every field):
+    ``temperature`` 0 is greedy; ``seed`` makes sampling reproducible."""
+
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int
 
 
 class TargetResponder:

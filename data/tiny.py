@@ -111,7 +111,7 @@ def tiny_random_target(
     )
 
 
-def tiny_conversations(count: int = 64, seed: int = 0) -> ConversationSet:
+def tiny_conversations(count: int, seed: int) -> ConversationSet:
     """``count`` short synthetic chats (counting, repeating, spelling) with regular answers: a
     conversation source for smoke runs and tests that needs no dataset package."""
     generator = random.Random(seed)

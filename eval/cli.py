@@ -20,6 +20,7 @@ import hydra
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationKeyError
 
 from specdraft.data.chat import assistant_token_counts, tokenize_conversations
 from specdraft.data.conversations import split_conversations
@@ -95,8 +96,9 @@ def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
         list(cfg.temperatures),
     )
     # The time box limits this invocation, it does not change what is measured: a resumed run may
-    # have another one.
-    config = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "max_minutes"}
+    # have another one. The shape catalogue is not a setting either: what runs is in the methods.
+    unrecorded = ("max_minutes", "shapes")
+    config = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in unrecorded}
     temperatures = [float(t) for t in cfg.temperatures]
     out_dir, sampling_for = Path(cfg.paths.output_dir), lambda t: Sampling(t, cfg.top_p, cfg.top_k)
     run_settings = {"seed": cfg.seed, "resume": cfg.resume, "progress": cfg.progress, "warmup": cfg.warmup}
@@ -177,7 +179,7 @@ def configured_methods(cfg: DictConfig, target: Target) -> list[Method]:
         lambda size=None: vocab_shortlist(counts, cfg.shortlist.size if size is None else size)
     )
     graphs = resolve_graphs(cfg.graphs, target.device)
-    specs = {"plain": {"type": "plain"}, **OmegaConf.to_container(cfg.methods, resolve=True)}
+    specs = {"plain": {"type": "plain"}, **method_configs(cfg)}
     return [
         build_method(
             name,
@@ -196,6 +198,25 @@ def configured_methods(cfg: DictConfig, target: Target) -> list[Method]:
         for name, spec in specs.items()
         if spec is not None
     ]
+
+
+def method_configs(cfg: DictConfig) -> dict[str, Any]:
+    """``cfg.methods`` resolved: each ``shape: ${shapes.<name>}`` becomes its mapping from
+    conf/shapes.yaml; a name that is not there is one error that names the known ones."""
+    known = f"known shapes (conf/shapes.yaml): {', '.join(cfg.shapes)}"
+    try:
+        methods = OmegaConf.to_container(cfg.methods, resolve=True)
+    except InterpolationKeyError as error:
+        if "shapes." not in str(error):
+            raise
+        raise ValueError(f"{error}\n{known}") from None
+    for name, method in methods.items():
+        shape = (method or {}).get("shape")
+        if isinstance(shape, str):  # a bare name: the catalogue is read by interpolation only
+            raise ValueError(
+                f"method {name}: shape {shape!r}: a named shape is written ${{shapes.{shape}}}; {known}"
+            )
+    return methods
 
 
 def shape_chooser(cfg: DictConfig, target: Target, graphs: bool) -> ShapeChooser:

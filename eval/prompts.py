@@ -132,7 +132,7 @@ def sharegpt_heldout(
     return questions[:limit]
 
 
-def tiny_questions(count: int = 4, seed: int = 0) -> list[Question]:
+def tiny_questions(count: int, seed: int) -> list[Question]:
     """User turns of the tiny synthetic chats (tests and smoke runs)."""
     from specdraft.data.tiny import tiny_conversations
 

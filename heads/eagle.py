@@ -41,9 +41,9 @@ from specdraft.heads.vocab import (
 @dataclass(frozen=True)
 class EagleConfig:
     """EAGLE-1/2. ``fc_bias``: the reference fc has a bias, EAGLE's LLaMA-3 heads do not, and vLLM
-    silently ignores one, so it is off by default."""
+    silently ignores one (conf/head/eagle.yaml turns it off)."""
 
-    fc_bias: bool = False
+    fc_bias: bool
     kind: str = "eagle"
 
     def __post_init__(self) -> None:
@@ -56,10 +56,11 @@ class EagleConfig:
 
 @dataclass(frozen=True)
 class Eagle3Config:
-    """EAGLE-3. ``draft_vocab_size``: None (or the target's vocabulary size or more) = the full
-    target vocabulary (the training default, a reduced one, is set in conf/head/eagle3.yaml)."""
+    """EAGLE-3. ``draft_vocab_size``: the reduced draft vocabulary's size; None (or the target's
+    vocabulary size or more) = the full target vocabulary. No default here: conf/head/eagle3.yaml
+    sets it."""
 
-    draft_vocab_size: int | None = None
+    draft_vocab_size: int | None
     kind: str = "eagle3"
 
     def __post_init__(self) -> None:
@@ -162,9 +163,9 @@ class EagleHead(FeatureHead):
     kind = "eagle"
     config_class = EagleConfig
 
-    def __init__(self, spec: TargetSpec, weights: TargetWeights, config: EagleConfig | None = None) -> None:
+    def __init__(self, spec: TargetSpec, weights: TargetWeights, config: EagleConfig) -> None:
         super().__init__(spec, weights, attention_input_size=spec.hidden_size)
-        self.config = config or EagleConfig()
+        self.config = config
         self.fc = nn.Linear(2 * spec.hidden_size, spec.hidden_size, bias=self.config.fc_bias)
 
     @property
@@ -190,9 +191,8 @@ class Eagle3Head(FeatureHead):
     kind = "eagle3"
     config_class = Eagle3Config
 
-    def __init__(self, spec: TargetSpec, weights: TargetWeights, config: Eagle3Config | None = None) -> None:
+    def __init__(self, spec: TargetSpec, weights: TargetWeights, config: Eagle3Config) -> None:
         super().__init__(spec, weights, attention_input_size=2 * spec.hidden_size)
-        config = config or Eagle3Config()
         if not spec.aux_layer_ids:
             raise ValueError(f"EAGLE-3 needs target aux layers; target {spec.name} has aux_layer_ids=()")
         if config.draft_vocab_size is not None and config.draft_vocab_size < 1:

@@ -24,9 +24,13 @@ from specdraft.heads.vocab import VocabProjection
 
 @dataclass(frozen=True)
 class MedusaConfig:
-    num_heads: int = 4
-    num_layers: int = 1
-    own_lm_head: bool = False  # True: Medusa-1's per-head projection (V×H trainable params per head)
+    """Medusa. ``num_heads`` K (head k predicts the token k+2 ahead), ``num_layers`` residual
+    blocks per head, ``own_lm_head``: Medusa-1's per-head projection (V×H trainable params per
+    head) instead of the frozen target lm_head. No defaults here: conf/head/medusa.yaml sets them."""
+
+    num_heads: int
+    num_layers: int
+    own_lm_head: bool
     kind: str = "medusa"
 
     def __post_init__(self) -> None:
@@ -56,9 +60,9 @@ class MedusaHead(DraftHead):
     kind = "medusa"
     config_class = MedusaConfig
 
-    def __init__(self, spec: TargetSpec, weights: TargetWeights, config: MedusaConfig | None = None) -> None:
+    def __init__(self, spec: TargetSpec, weights: TargetWeights, config: MedusaConfig) -> None:
         super().__init__(spec, weights)
-        self.config = config or MedusaConfig()
+        self.config = config
         # One ModuleList per head, a fresh ResBlock per layer: Medusa's reference code builds
         # ``[ResBlock(H)] * L``, which shares ONE block L times.
         self.blocks = nn.ModuleList(

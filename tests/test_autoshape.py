@@ -42,7 +42,7 @@ CANDIDATES = [
 
 def eagle_head(target):
     torch.manual_seed(0)
-    return build_head("eagle", {}, target.spec, target_weights(target)).eval()
+    return build_head("eagle", {"fc_bias": False}, target.spec, target_weights(target)).eval()
 
 
 HEAD_WEIGHT = 3.0  # an untrained head's log-probs spread ~3× less than the tiny target's

@@ -41,7 +41,8 @@ def save_tiny_checkpoint(path: Path, kind: str = "eagle") -> Path:
     """A head checkpoint in the layout specdraft-train writes (random weights)."""
     target = tiny_random_target(seed=0)
     torch.manual_seed(0)
-    head = build_head(kind, {}, target.spec, target_weights(target))
+    config = {"eagle": {"fc_bias": False}, "medusa": {"num_heads": 4, "num_layers": 1, "own_lm_head": False}}
+    head = build_head(kind, config[kind], target.spec, target_weights(target))
     record = {"kind": kind, "config": head.config.to_dict(), "target_spec": target.spec.to_dict()}
     torch.save(
         {"state_dict": {f"head.{k}": v for k, v in head.state_dict().items()}, "specdraft": record}, path
@@ -66,6 +67,7 @@ def compose_bench(tmp_path: Path, config_name: str = "bench", *overrides: str, k
                 "shortlist.source._target_=specdraft.data.tiny.tiny_conversations",
                 "~shortlist.source.limit",
                 "+shortlist.source.count=40",
+                "+shortlist.source.seed=0",
                 "shortlist.size=120",
                 "progress=false",
                 f"paths.output_dir={tmp_path / 'out'}",
@@ -449,7 +451,7 @@ def test_greedy_speculative_equals_plain_on_cuda():
 
     target = tiny_random_target(seed=0)
     target.model.to("cuda")
-    head = build_head("eagle", {}, target.spec, target_weights(target)).to("cuda").eval()
+    head = build_head("eagle", {"fc_bias": False}, target.spec, target_weights(target)).to("cuda").eval()
     prompt = torch.randint(3, target.spec.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
     expected = plain_generate(TargetRunner(target), prompt, 32, Sampling(), ()).tokens
     drafter = FeatureHeadDrafter(head, DynamicTree(depth=3, top_k=3, total_tokens=8))
@@ -473,7 +475,7 @@ def test_cuda_graph_replays_decode_exactly_like_eager_steps(shape):
 
     target = tiny_random_target(seed=0)
     target.model.to("cuda")
-    head = build_head("eagle", {}, target.spec, target_weights(target)).to("cuda").eval()
+    head = build_head("eagle", {"fc_bias": False}, target.spec, target_weights(target)).to("cuda").eval()
     tree = {
         "chain": Chain(depth=4),
         "static": StaticTree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),

@@ -279,7 +279,7 @@ def test_the_cache_probe_times_padded_positions_not_tokens(monkeypatch, tmp_path
 def test_the_probe_samples_only_the_first_turns_regeneration_answers(tiny_target):
     """A self-distilled cache holds only the turns whose prompt leaves room for an answer: the
     probe's cache and training steps time those, not the long prompts regeneration skips."""
-    settings = GenerationSettings(max_new_tokens=8)
+    settings = GenerationSettings(temperature=0.0, top_p=1.0, seed=0, max_new_tokens=8)
     responder = TargetResponder(tiny_target, settings, max_prompt_tokens=128)
 
     def turn(name: str, words: int) -> Conversation:

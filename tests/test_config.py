@@ -124,3 +124,36 @@ def test_the_two_stage_hass_experiment_is_hass_at_a_third_of_the_lr_from_given_w
     assert second.init_from == "stage1/last.ckpt" and second.loss == hass.loss
     assert second.loss.weights.topk > 0 and second.datamodule.top_k == hass.datamodule.top_k
     assert second.optim.lr == pytest.approx(hass.optim.lr / 3, rel=1e-4)
+
+
+METHODS = sorted(p.stem for p in (CONF_DIR / "methods").glob("*.yaml"))
+
+
+def compose_bench(*overrides: str):
+    with initialize_config_module(config_module="specdraft.conf", version_base="1.3"):
+        return compose(config_name="bench", overrides=["checkpoint=head.ckpt", *overrides])
+
+
+@pytest.mark.parametrize("methods", METHODS)
+def test_every_method_preset_resolves_its_shapes_to_mappings(methods):
+    from specdraft.eval.cli import method_configs
+
+    cfg = compose_bench(f"methods={methods}")
+    for name, method in method_configs(cfg).items():
+        if method is not None and "shape" in method:
+            assert method["shape"]["kind"] in {"chain", "static", "dynamic", "auto"}, name
+    candidates = OmegaConf.to_container(cfg.auto_shape.candidates, resolve=True)
+    assert all(c["kind"] in {"chain", "dynamic"} for c in candidates)
+
+
+def test_named_inline_and_unknown_shapes():
+    from specdraft.eval.cli import method_configs
+
+    named = method_configs(compose_bench("methods=head", "methods.head.shape=${shapes.eagle2_24}"))
+    assert named["head"]["shape"] == {"kind": "dynamic", "depth": 5, "top_k": 6, "total_tokens": 24}
+    inline = method_configs(compose_bench("methods=head", "methods.head.shape={kind: chain, depth: 4}"))
+    assert inline["head"]["shape"] == {"kind": "chain", "depth": 4}  # replaced, not merged into the default
+    with pytest.raises(ValueError, match=r"(?s)shapes\.eagle2_13.*known shapes.*eagle2_12"):
+        method_configs(compose_bench("methods=head", "methods.head.shape=${shapes.eagle2_13}"))
+    with pytest.raises(ValueError, match=r"\$\{shapes\.eagle2_12\}"):
+        method_configs(compose_bench("methods=head", "methods.head.shape=eagle2_12"))

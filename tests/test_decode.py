@@ -44,8 +44,8 @@ SHAPES = {
     "dynamic": DynamicTree(depth=4, top_k=3, total_tokens=10),
 }
 HEADS = {
-    "medusa": {"num_heads": 4},
-    "eagle": {},
+    "medusa": {"num_heads": 4, "num_layers": 1, "own_lm_head": False},
+    "eagle": {"fc_bias": False},
     "eagle3": {"draft_vocab_size": None},
     "eagle3-reduced": {"draft_vocab_size": 200},
 }

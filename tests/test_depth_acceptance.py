@@ -19,7 +19,7 @@ from specdraft.data.datamodule import FeatureDataModule
 from specdraft.data.features import FeatureBatch
 from specdraft.data.target import target_weights
 from specdraft.eval.cli import assistant_counts
-from specdraft.heads import Eagle3Config, Eagle3Head, EagleHead
+from specdraft.heads import Eagle3Config, Eagle3Head, EagleConfig, EagleHead
 from specdraft.heads.rollout import rollout
 from specdraft.recipes import depth_acceptance
 from specdraft.recipes.depth_acceptance import batch_counts, chain_counts, paired_chain_bootstrap, summarise
@@ -107,7 +107,7 @@ def test_batch_counts_equal_a_chain_decoded_per_anchor(tiny_target, kind):
     vocab_size = tiny_target.spec.vocab_size
     vocab = None
     if kind in ("eagle", "eagle_shortlist"):
-        head = EagleHead(tiny_target.spec, weights)
+        head = EagleHead(tiny_target.spec, weights, EagleConfig(fc_bias=False))
         if kind == "eagle_shortlist":  # a reduced training vocabulary: every third target id
             vocab = torch.arange(0, vocab_size, 3)
     else:
@@ -155,7 +155,7 @@ def test_batch_counts_equal_a_chain_decoded_per_anchor(tiny_target, kind):
 
 
 def test_a_batch_without_supervised_positions_counts_nothing(tiny_target):
-    head = EagleHead(tiny_target.spec, target_weights(tiny_target)).eval()
+    head = EagleHead(tiny_target.spec, target_weights(tiny_target), EagleConfig(fc_bias=False)).eval()
     ids = torch.randint(3, tiny_target.spec.vocab_size, (1, 6))
     hidden = torch.randn(1, 6, tiny_target.spec.hidden_size)
     batch = FeatureBatch(ids, torch.ones_like(ids), torch.zeros_like(ids), hidden)  # a prompt only

@@ -38,7 +38,7 @@ KINDS = {
     "eagle-bias": {"fc_bias": True},
     "eagle3": {"draft_vocab_size": 100},
     "eagle3-full": {"draft_vocab_size": None},
-    "medusa": {"num_heads": 2, "num_layers": 2},
+    "medusa": {"num_heads": 2, "num_layers": 2, "own_lm_head": False},
     "medusa-own": {"num_heads": 2, "num_layers": 1, "own_lm_head": True},
 }
 
@@ -149,7 +149,11 @@ def test_export_reads_back_bit_for_bit(target, tmp_path, name, dtype):
 
 @pytest.mark.parametrize("name", ["eagle", "eagle3", "medusa"])
 def test_native_export_drafts_exactly_like_the_checkpoint(target, tmp_path, name):
-    config = {"eagle": {}, "eagle3": {"draft_vocab_size": 100}, "medusa": {"num_heads": 3}}[name]
+    config = {
+        "eagle": {"fc_bias": False},
+        "eagle3": {"draft_vocab_size": 100},
+        "medusa": {"num_heads": 3, "num_layers": 1, "own_lm_head": False},
+    }[name]
     checkpoint = save_checkpoint(tmp_path / "head.ckpt", trained_record(target, name, config))
     record = read_checkpoint(checkpoint)
     out = write_export(tmp_path / "native", record, "native", target_spec=target.spec)
@@ -182,7 +186,7 @@ def test_native_export_drafts_exactly_like_the_checkpoint(target, tmp_path, name
 
 
 def test_wrong_target_is_refused_naming_both(target, tmp_path):
-    record = trained_record(target, "eagle", {})
+    record = trained_record(target, "eagle", {"fc_bias": False})
     for other in (
         tiny_random_target(seed=1, hidden_size=32),
         tiny_random_target(seed=1, num_attention_heads=2),
@@ -200,15 +204,27 @@ def test_inexpressible_heads_are_refused(target):
     lm_head = target_weights(target).lm_head
     cases = [
         (trained_record(target, "eagle", {"fc_bias": True}), "vllm", "silently ignores"),
-        (trained_record(target, "eagle", {}), "speculators", "a head of kind eagle exports as one of"),
-        (trained_record(target, "medusa", {}), "eagle", "not 'medusa'"),
+        (
+            trained_record(target, "eagle", {"fc_bias": False}),
+            "speculators",
+            "a head of kind eagle exports as one of",
+        ),
+        (
+            trained_record(target, "medusa", {"num_heads": 4, "num_layers": 1, "own_lm_head": False}),
+            "eagle",
+            "not 'medusa'",
+        ),
         (trained_record(target, "eagle3", {"draft_vocab_size": 100}), "medusa", "not 'eagle3'"),
     ]
     for record, format, message in cases:
         with pytest.raises(FormatError, match=message):
             export_files(record, format, target_spec=target.spec, target_lm_head=lm_head)
     with pytest.raises(FormatError, match="needs the target's weights"):
-        export_files(trained_record(target, "medusa", {}), "medusa", target_spec=target.spec)
+        export_files(
+            trained_record(target, "medusa", {"num_heads": 4, "num_layers": 1, "own_lm_head": False}),
+            "medusa",
+            target_spec=target.spec,
+        )
     layer0 = tiny_random_target(seed=0, aux_layer_ids=(0, 2, 3))
     record = trained_record(layer0, "eagle3", {"draft_vocab_size": 100})
     with pytest.raises(FormatError, match="aux layer id 0"):
@@ -237,7 +253,10 @@ def test_damaged_exports_are_refused_with_the_key(target, tmp_path):
 
 
 def test_exports_are_atomic_and_never_overwrite_silently(target, tmp_path):
-    first, second = trained_record(target, "eagle", {}, seed=0), trained_record(target, "eagle", {}, seed=1)
+    first, second = (
+        trained_record(target, "eagle", {"fc_bias": False}, seed=0),
+        trained_record(target, "eagle", {"fc_bias": False}, seed=1),
+    )
     out = write_export(tmp_path / "head", first, "native", target_spec=target.spec)
     before = (out / "model.safetensors").read_bytes()
     with pytest.raises(FormatError, match="overwrite=true"):
@@ -267,7 +286,9 @@ def compose_export(tmp_path: Path, *overrides: str):
 
 def test_specdraft_export_from_a_run_dir_then_specdraft_eval_loads_it(target, tmp_path):
     run_dir = tmp_path / "train" / "hass"
-    best = save_checkpoint(run_dir / "checkpoints" / "best-step=2.ckpt", trained_record(target, "eagle", {}))
+    best = save_checkpoint(
+        run_dir / "checkpoints" / "best-step=2.ckpt", trained_record(target, "eagle", {"fc_bias": False})
+    )
     last = trained_record(target, "eagle3", {"draft_vocab_size": 100})
     save_checkpoint(run_dir / "checkpoints" / "last.ckpt", last)
     (run_dir / "summary.json").write_text(json.dumps({"best_checkpoint": str(best)}))

@@ -166,12 +166,14 @@ def test_frozen_projection_gets_no_gradient():
     weight = torch.randn(7, 4)
     draft = DraftSide(hidden, weight, torch.ones(1, 5, dtype=torch.bool), [1.0])
     out = fused_vocab_losses(
-        draft, TargetSide(torch.randn(5, 4), torch.randn(7, 4)), LossWeights(soft_ce=1.0)
+        draft, TargetSide(torch.randn(5, 4), torch.randn(7, 4)), LossWeights(soft_ce=1.0), chunk_size=128
     )
     out.loss.backward()
     assert hidden.grad is not None and weight.grad is None
     with pytest.raises(ValueError, match="'topk' has weight"):
-        fused_vocab_losses(draft, TargetSide(torch.randn(5, 4), torch.randn(7, 4)), LossWeights(topk=1.0))
+        fused_vocab_losses(
+            draft, TargetSide(torch.randn(5, 4), torch.randn(7, 4)), LossWeights(topk=1.0), chunk_size=128
+        )
 
 
 def test_per_step_projections_and_no_grad():
@@ -207,7 +209,9 @@ def test_per_step_projections_and_no_grad():
     torch.testing.assert_close(evaluated.loss, out.loss.detach())
     torch.testing.assert_close(evaluated.terms, out.terms)
     with pytest.raises(ValueError, match="3 per-step draft weights for 2 steps"):
-        fused_vocab_losses(replace(draft, weight=torch.randn(3, vocab_size, h, dtype=dtype)), target, weights)
+        fused_vocab_losses(
+            replace(draft, weight=torch.randn(3, vocab_size, h, dtype=dtype)), target, weights, chunk_size=128
+        )
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -292,8 +296,10 @@ def test_frozen_rows_are_kept_while_the_lm_head_is_unchanged_and_refused_for_ano
         TargetSide(torch.randn(6, 8), lm_head),
         LossWeights(soft_ce=1.0),
     )
-    kept = fused_vocab_losses(DraftSide(hidden, full.rows, valid, [1.0], frozen=full), target, weights)
-    fresh = fused_vocab_losses(DraftSide(hidden, lm_head, valid, [1.0]), target, weights)
+    kept = fused_vocab_losses(DraftSide(hidden, full.rows, valid, [1.0], frozen=full), target, weights, 128)
+    fresh = fused_vocab_losses(DraftSide(hidden, lm_head, valid, [1.0]), target, weights, 128)
     torch.testing.assert_close(kept.loss, fresh.loss)
     with pytest.raises(ValueError, match="frozen rows given for another projection"):
-        fused_vocab_losses(DraftSide(hidden, lm_head.clone(), valid, [1.0], frozen=full), target, weights)
+        fused_vocab_losses(
+            DraftSide(hidden, lm_head.clone(), valid, [1.0], frozen=full), target, weights, 128
+        )

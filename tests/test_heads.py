@@ -36,7 +36,7 @@ def trainable(module) -> int:
 
 def test_medusa_parameter_count_and_blocks_not_shared(spec, weights):
     H, V = spec.hidden_size, spec.vocab_size
-    head = MedusaHead(spec, weights, MedusaConfig(num_heads=3, num_layers=2))
+    head = MedusaHead(spec, weights, MedusaConfig(num_heads=3, num_layers=2, own_lm_head=False))
     assert trainable(head) == 3 * 2 * (H * H + H)
     own = MedusaHead(spec, weights, MedusaConfig(num_heads=3, num_layers=2, own_lm_head=True))
     assert trainable(own) == 3 * 2 * (H * H + H) + 3 * V * H
@@ -64,7 +64,7 @@ def test_eagle_parameter_count(spec, weights):
         spec.head_dim,
     )
     layer = H * heads * d + 2 * H * kv * d + heads * d * H + 3 * H * inter + H
-    assert trainable(EagleHead(spec, weights)) == 2 * H * H + layer
+    assert trainable(EagleHead(spec, weights, EagleConfig(fc_bias=False))) == 2 * H * H + layer
     assert trainable(EagleHead(spec, weights, EagleConfig(fc_bias=True))) == 2 * H * H + H + layer
     # EAGLE-3: attention reads 2H; fc fuses k aux layers; 3 norms; a draft-vocab lm_head.
     k = len(spec.aux_layer_ids)
@@ -76,8 +76,10 @@ def test_eagle_parameter_count(spec, weights):
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
 def test_frozen_target_weights_stay_out_of_state_and_gradients(spec, weights, kind):
     head = {
-        "medusa": lambda: MedusaHead(spec, weights),
-        "eagle": lambda: EagleHead(spec, weights),
+        "medusa": lambda: MedusaHead(
+            spec, weights, MedusaConfig(num_heads=4, num_layers=1, own_lm_head=False)
+        ),
+        "eagle": lambda: EagleHead(spec, weights, EagleConfig(fc_bias=False)),
         "eagle3": lambda: Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=None)),
     }[kind]()
     state = {k: v.clone() for k, v in head.state_dict().items()}
@@ -149,16 +151,18 @@ def test_weights_of_the_wrong_shape_are_refused(spec, weights):
 
     other = replace(spec, vocab_size=spec.vocab_size + 1)
     with pytest.raises(ValueError, match="embedding has shape"):
-        EagleHead(other, weights)
+        EagleHead(other, weights, EagleConfig(fc_bias=False))
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
 def test_head_rebuilds_from_its_state(spec, weights, kind):
     from specdraft.heads.registry import build_head, head_from_state
 
-    config = {"medusa": {"num_heads": 2}, "eagle": {"fc_bias": True}, "eagle3": {"draft_vocab_size": 50}}[
-        kind
-    ]
+    config = {
+        "medusa": {"num_heads": 2, "num_layers": 1, "own_lm_head": False},
+        "eagle": {"fc_bias": True},
+        "eagle3": {"draft_vocab_size": 50},
+    }[kind]
     torch.manual_seed(0)
     head = build_head(kind, config, spec, weights)
     head.choose_vocabulary(lambda: torch.rand(spec.vocab_size))
@@ -182,7 +186,11 @@ def test_a_step_writing_into_a_preallocated_cache_equals_one_given_the_past(spec
     over the whole cache under a mask; it must equal the step that is given the past and
     concatenates (training's path): same outputs, same new keys/values, now in the cache."""
     torch.manual_seed(0)
-    head = (EagleHead(spec, weights) if kind == "eagle" else Eagle3Head(spec, weights)).eval()
+    head = (
+        EagleHead(spec, weights, EagleConfig(fc_bias=False))
+        if kind == "eagle"
+        else Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=None))
+    ).eval()
     past, n, capacity = 5, 3, 12
     kv_shape = (1, spec.num_kv_heads, capacity, spec.head_dim)
     cache_key, cache_value = torch.randn(kv_shape), torch.randn(kv_shape)  # junk beyond the past
@@ -237,7 +245,7 @@ def test_a_bf16_draft_step_attends_with_its_queries_stacked(spec, weights, n, mo
     """A decoding step's few bf16 query tokens under a mask on a CPU (where SDPA's grouped-query
     kernel is slow) run as rows of their key/value head, with what that kernel gives."""
     torch.manual_seed(0)
-    head = EagleHead(spec, weights).eval().to(torch.bfloat16)
+    head = EagleHead(spec, weights, EagleConfig(fc_bias=False)).eval().to(torch.bfloat16)
     past, capacity = 5, 12
     kv_shape = (1, spec.num_kv_heads, capacity, spec.head_dim)
     cache = torch.randn(kv_shape).bfloat16(), torch.randn(kv_shape).bfloat16()

@@ -52,7 +52,7 @@ def test_greedy_speculative_equals_plain_on_a_packed_target():
     prompt = torch.randint(3, target.spec.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
     expected = plain_generate(TargetRunner(target), prompt, 24, Sampling(), ()).tokens
     torch.manual_seed(1)
-    head = build_head("eagle", {}, target.spec, target_weights(target)).eval()
+    head = build_head("eagle", {"fc_bias": False}, target.spec, target_weights(target)).eval()
     drafter = FeatureHeadDrafter(head, DynamicTree(depth=3, top_k=3, total_tokens=8))
     assert speculative_generate(TargetRunner(target), drafter, prompt, 24, Sampling(), ()).tokens == expected
 
@@ -134,7 +134,7 @@ def test_compiled_steps_decode_the_same_tokens_and_drafts():
     prompt = torch.randint(3, target.spec.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
     expected = plain_generate(TargetRunner(target), prompt, 24, Sampling(), ()).tokens
     torch.manual_seed(1)
-    head = build_head("eagle", {}, target.spec, target_weights(target)).eval()
+    head = build_head("eagle", {"fc_bias": False}, target.spec, target_weights(target)).eval()
     with torch.no_grad():  # away from the near-identity of a fresh init, so drafts vary
         for parameter in head.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.05)

@@ -9,7 +9,7 @@ import torch
 
 from specdraft.data.features import TokenBatch, extract_features
 from specdraft.data.target import target_weights
-from specdraft.heads import Eagle3Config, Eagle3Head, EagleHead, MedusaConfig, MedusaHead
+from specdraft.heads import Eagle3Config, Eagle3Head, EagleConfig, EagleHead, MedusaConfig, MedusaHead
 from specdraft.heads.vocab import VocabProjection
 from specdraft.train.losses import (
     LossWeights,
@@ -81,9 +81,9 @@ def features(tiny_target):
 def build(kind, target):
     spec, weights = target.spec, target_weights(target)
     if kind == "medusa":
-        return MedusaHead(spec, weights, MedusaConfig(num_heads=3))
+        return MedusaHead(spec, weights, MedusaConfig(num_heads=3, num_layers=1, own_lm_head=False))
     if kind == "eagle":
-        return EagleHead(spec, weights)
+        return EagleHead(spec, weights, EagleConfig(fc_bias=False))
     counts = torch.arange(spec.vocab_size).float()
     head = Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=200))
     head.choose_vocabulary(lambda: counts)
@@ -99,7 +99,9 @@ def test_objective_runs_and_backpropagates(tiny_target, features, kind):
         "eagle": LossWeights(feature=1.0, soft_ce=0.1, topk=1.0, topk_k=3),
         "eagle3": LossWeights(soft_ce=1.0, topk=0.5, topk_k=3),
     }[kind]
-    objective = DraftObjective(weights, RolloutConfig(steps=2, step_weight_base=0.5), eval_steps=3)
+    objective = DraftObjective(
+        weights, RolloutConfig(steps=2, step_weight_base=0.5), eval_steps=3, chunk_size=128
+    )
     out = objective(head, features, train=True)
     assert torch.isfinite(out.loss)
     out.loss.backward()
@@ -121,13 +123,17 @@ def test_objective_runs_and_backpropagates(tiny_target, features, kind):
 
 def test_cached_and_recomputed_topk_agree(tiny_target, features):
     head = build("eagle", tiny_target)
-    objective = DraftObjective(LossWeights(topk=1.0, topk_k=4), RolloutConfig(steps=1))
+    objective = DraftObjective(
+        LossWeights(topk=1.0, topk_k=4), RolloutConfig(steps=1), eval_steps=4, chunk_size=128
+    )
     cached = objective(head, features).terms["step1/topk"]
     features_without = type(features)(**{**vars(features), "topk_ids": None, "topk_probs": None})
     recomputed = objective(head, features_without).terms["step1/topk"]
     torch.testing.assert_close(cached, recomputed)
     with pytest.raises(ValueError, match="top-4"):
-        DraftObjective(LossWeights(topk=1.0, topk_k=5), RolloutConfig())(head, features)
+        DraftObjective(LossWeights(topk=1.0, topk_k=5), RolloutConfig(), eval_steps=4, chunk_size=128)(
+            head, features
+        )
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
@@ -143,7 +149,9 @@ def test_reduced_training_vocabulary(tiny_target, features, kind):
     for draft_vocab in (None, torch.arange(vocab_size), torch.arange(0, vocab_size, 2)):
         torch.manual_seed(0)
         head = build(kind, tiny_target)
-        out = DraftObjective(weights, rollout, draft_vocab=draft_vocab)(head, features)
+        out = DraftObjective(weights, rollout, eval_steps=4, chunk_size=128, draft_vocab=draft_vocab)(
+            head, features
+        )
         out.loss.backward()
         results.append((out, [p.grad.clone() for p in head.parameters() if p.grad is not None]))
     (full, full_grads), (same, same_grads), (half, _) = results
@@ -155,7 +163,9 @@ def test_reduced_training_vocabulary(tiny_target, features, kind):
     with pytest.raises(
         ValueError, match=r"loss\.draft_vocab_size: none of its 10 tokens lies inside the head's own 200"
     ):
-        DraftObjective(weights, rollout, draft_vocab=torch.arange(10))(build("eagle3", tiny_target), features)
+        DraftObjective(weights, rollout, eval_steps=4, chunk_size=128, draft_vocab=torch.arange(10))(
+            build("eagle3", tiny_target), features
+        )
 
 
 def own_vocabulary(head) -> torch.Tensor:
@@ -185,14 +195,25 @@ def test_rollout_vocabulary_trains_later_steps_over_it(tiny_target, features, ki
     three, one = RolloutConfig(steps=3, step_weight_base=0.5), RolloutConfig(steps=1)
     vocab = own_vocabulary(build(kind, tiny_target))[::2]
     split, split_grads = loss_and_grads(
-        kind, tiny_target, features, DraftObjective(weights, three, rollout_vocab=vocab)
+        kind,
+        tiny_target,
+        features,
+        DraftObjective(weights, three, eval_steps=4, chunk_size=128, rollout_vocab=vocab),
     )
-    first, first_grads = loss_and_grads(kind, tiny_target, features, DraftObjective(weights, one))
+    first, first_grads = loss_and_grads(
+        kind, tiny_target, features, DraftObjective(weights, one, eval_steps=4, chunk_size=128)
+    )
     reduced, reduced_grads = loss_and_grads(
-        kind, tiny_target, features, DraftObjective(weights, three, draft_vocab=vocab)
+        kind,
+        tiny_target,
+        features,
+        DraftObjective(weights, three, eval_steps=4, chunk_size=128, draft_vocab=vocab),
     )
     reduced_first, reduced_first_grads = loss_and_grads(
-        kind, tiny_target, features, DraftObjective(weights, one, draft_vocab=vocab)
+        kind,
+        tiny_target,
+        features,
+        DraftObjective(weights, one, eval_steps=4, chunk_size=128, draft_vocab=vocab),
     )
     torch.testing.assert_close(split.loss, first.loss + reduced.loss - reduced_first.loss)
     for got, *parts in zip(split_grads, first_grads, reduced_grads, reduced_first_grads, strict=True):
@@ -204,9 +225,11 @@ def test_rollout_vocabulary_trains_later_steps_over_it(tiny_target, features, ki
     assert split.matches[0] == first.matches[0]
 
     # Validation measures every step over the training vocabulary.
-    objective = DraftObjective(weights, three, eval_steps=4, rollout_vocab=vocab)
+    objective = DraftObjective(weights, three, eval_steps=4, chunk_size=128, rollout_vocab=vocab)
     measured, _ = loss_and_grads(kind, tiny_target, features, objective, train=False)
-    plain, _ = loss_and_grads(kind, tiny_target, features, DraftObjective(weights, three, 4), train=False)
+    plain, _ = loss_and_grads(
+        kind, tiny_target, features, DraftObjective(weights, three, eval_steps=4, chunk_size=128), train=False
+    )
     assert measured.matches == plain.matches and measured.counts == plain.counts
     torch.testing.assert_close(measured.loss, plain.loss)
 
@@ -217,11 +240,19 @@ def test_rollout_vocabulary_of_medusa_heads(tiny_target, features):
     vocab = torch.arange(0, tiny_target.spec.vocab_size, 2)
     rollout = RolloutConfig(steps=1, step_weight_base=0.8)
     split, _ = loss_and_grads(
-        "medusa", tiny_target, features, DraftObjective(weights, rollout, rollout_vocab=vocab)
+        "medusa",
+        tiny_target,
+        features,
+        DraftObjective(weights, rollout, eval_steps=4, chunk_size=128, rollout_vocab=vocab),
     )
-    full, _ = loss_and_grads("medusa", tiny_target, features, DraftObjective(weights, rollout))
+    full, _ = loss_and_grads(
+        "medusa", tiny_target, features, DraftObjective(weights, rollout, eval_steps=4, chunk_size=128)
+    )
     reduced, _ = loss_and_grads(
-        "medusa", tiny_target, features, DraftObjective(weights, rollout, draft_vocab=vocab)
+        "medusa",
+        tiny_target,
+        features,
+        DraftObjective(weights, rollout, eval_steps=4, chunk_size=128, draft_vocab=vocab),
     )
     assert len(split.counts) == 3
     for name, value in split.terms.items():
@@ -241,7 +272,10 @@ def test_a_rollout_vocabulary_meets_a_heads_own_in_their_common_tokens(tiny_targ
 
     def run(vocab):
         return loss_and_grads(
-            "eagle3", tiny_target, features, DraftObjective(weights, rollout, rollout_vocab=vocab)
+            "eagle3",
+            tiny_target,
+            features,
+            DraftObjective(weights, rollout, eval_steps=4, chunk_size=128, rollout_vocab=vocab),
         )
 
     (plain, plain_grads), (holding, holding_grads) = run(None), run(torch.cat([others, own]))
@@ -254,7 +288,9 @@ def test_a_rollout_vocabulary_meets_a_heads_own_in_their_common_tokens(tiny_targ
         torch.testing.assert_close(got, want)
     assert partial.loss.item() != pytest.approx(plain.loss.item())
     with pytest.raises(ValueError, match=r"loss\.rollout_vocab_size: none of its 10 tokens lies inside"):
-        DraftObjective(weights, rollout, rollout_vocab=others)(build("eagle3", tiny_target), features)
+        DraftObjective(weights, rollout, eval_steps=4, chunk_size=128, rollout_vocab=others)(
+            build("eagle3", tiny_target), features
+        )
 
 
 def test_the_objective_finds_its_vocabularies_in_a_heads_own_once(tiny_target, features, monkeypatch):
@@ -273,7 +309,7 @@ def test_the_objective_finds_its_vocabularies_in_a_heads_own_once(tiny_target, f
         return restriction(projection, wanted)
 
     monkeypatch.setattr(VocabProjection, "restriction", counting)
-    objective = DraftObjective(weights, rollout, rollout_vocab=vocab)
+    objective = DraftObjective(weights, rollout, eval_steps=4, chunk_size=128, rollout_vocab=vocab)
     first, again = objective(head, features).loss, objective(head, features).loss
     assert len(looked_up) == 1
     torch.testing.assert_close(again, first)
@@ -285,5 +321,7 @@ def test_the_objective_finds_its_vocabularies_in_a_heads_own_once(tiny_target, f
     head.set_draft_vocab(ids - torch.arange(ids.numel()), t2d)
     changed = objective(head, features).loss
     assert len(looked_up) == 2
-    fresh = DraftObjective(weights, rollout, rollout_vocab=vocab)(head, features).loss
+    fresh = DraftObjective(weights, rollout, eval_steps=4, chunk_size=128, rollout_vocab=vocab)(
+        head, features
+    ).loss
     torch.testing.assert_close(changed, fresh)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from specdraft.data.features import TokenBatch, extract_features
 from specdraft.data.target import target_weights
 from specdraft.data.tiny import tiny_random_target
-from specdraft.heads import Eagle3Config, Eagle3Head, EagleHead, MedusaConfig, MedusaHead
+from specdraft.heads import Eagle3Config, Eagle3Head, EagleConfig, EagleHead, MedusaConfig, MedusaHead
 from specdraft.train.losses import LossWeights
 from specdraft.train.objective import DraftObjective, RolloutConfig
 
@@ -68,11 +68,11 @@ def build_head(kind: str, target):
     torch.manual_seed(11)
     spec, weights = target.spec, target_weights(target)
     if kind == "medusa":
-        head = MedusaHead(spec, weights, MedusaConfig(num_heads=3))
+        head = MedusaHead(spec, weights, MedusaConfig(num_heads=3, num_layers=1, own_lm_head=False))
     elif kind == "medusa_own":
-        head = MedusaHead(spec, weights, MedusaConfig(num_heads=2, own_lm_head=True))
+        head = MedusaHead(spec, weights, MedusaConfig(num_heads=2, num_layers=1, own_lm_head=True))
     elif kind == "eagle":
-        head = EagleHead(spec, weights)
+        head = EagleHead(spec, weights, EagleConfig(fc_bias=False))
     else:
         counts = torch.arange(spec.vocab_size, 0, -1).double()
         head = Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=REDUCED_VOCAB))
@@ -85,7 +85,7 @@ def build_head(kind: str, target):
 def objective_results(name: str, target, batch) -> dict[str, torch.Tensor]:
     kind, weights, rollout = EXPERIMENTS[name]
     head = build_head(kind, target)
-    objective = DraftObjective(weights, rollout, eval_steps=EVAL_STEPS)
+    objective = DraftObjective(weights, rollout, eval_steps=EVAL_STEPS, chunk_size=128)
     trained = objective(head, batch, train=True)
     trained.loss.backward()
     results = {"loss": trained.loss.detach().reshape(1)}

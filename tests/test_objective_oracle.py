@@ -16,7 +16,7 @@ from torch import Tensor
 
 from specdraft.data.features import FeatureBatch, TokenBatch, extract_features
 from specdraft.data.target import target_weights
-from specdraft.heads import EagleHead, MedusaConfig, MedusaHead
+from specdraft.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHead
 from specdraft.heads.interface import shift_left
 from specdraft.heads.vocab import VocabProjection
 from specdraft.train.cli import train
@@ -75,10 +75,10 @@ def supervised_positions(batch: FeatureBatch) -> Tensor:
 
 
 def test_oracle_feature_head_is_perfect_and_steps_drop_early_positions(tiny_target, batch):
-    head = OracleEagle(tiny_target.spec, target_weights(tiny_target))
+    head = OracleEagle(tiny_target.spec, target_weights(tiny_target), EagleConfig(fc_bias=False))
     head.truth = batch.hidden
     objective = DraftObjective(
-        LossWeights(feature=1.0, soft_ce=0.1), RolloutConfig(STEPS, 1.0), eval_steps=STEPS
+        LossWeights(feature=1.0, soft_ce=0.1), RolloutConfig(STEPS, 1.0), eval_steps=STEPS, chunk_size=128
     )
     with torch.no_grad():
         out = objective(head, batch, train=False)
@@ -90,7 +90,7 @@ def test_oracle_feature_head_is_perfect_and_steps_drop_early_positions(tiny_targ
     for j in range(1, STEPS + 1):
         assert out.terms[f"step{j}/feature"].item() == pytest.approx(0.0, abs=1e-12)
     # The soft CE of a perfect head is the target's own entropy: compare with a wrong-position head.
-    wrong = OracleEagle(tiny_target.spec, target_weights(tiny_target))
+    wrong = OracleEagle(tiny_target.spec, target_weights(tiny_target), EagleConfig(fc_bias=False))
     wrong.truth = torch.roll(batch.hidden, 1, dims=1)  # predicts f_p: the current position
     with torch.no_grad():
         off = objective(wrong, batch, train=False)
@@ -100,12 +100,16 @@ def test_oracle_feature_head_is_perfect_and_steps_drop_early_positions(tiny_targ
 
 def test_oracle_medusa_heads_are_perfect(tiny_target, batch):
     heads = 3
-    head = OracleMedusa(tiny_target.spec, target_weights(tiny_target), MedusaConfig(num_heads=heads))
+    head = OracleMedusa(
+        tiny_target.spec,
+        target_weights(tiny_target),
+        MedusaConfig(num_heads=heads, num_layers=1, own_lm_head=False),
+    )
     head.hidden = batch.hidden
     assert torch.unique(batch.hidden[batch.attention_mask.bool()], dim=0).shape[0] == int(
         batch.attention_mask.sum()
     )  # every real position has its own hidden state, so the oracle can look it up
-    objective = DraftObjective(LossWeights(ce=1.0), RolloutConfig(1, 0.8))
+    objective = DraftObjective(LossWeights(ce=1.0), RolloutConfig(1, 0.8), eval_steps=4, chunk_size=128)
     with torch.no_grad():
         out = objective(head, batch, train=False)
     assert out.accuracy == [1.0] * heads

@@ -131,7 +131,7 @@ def test_resume_after_a_crash_writes_what_an_uninterrupted_run_writes(tmp_path, 
 
 def test_batched_left_padded_answers_equal_single_prompt_answers(tmp_path):
     target = tiny_random_target(dtype="float64", initializer_range=0.5)
-    settings = GenerationSettings(max_new_tokens=10)
+    settings = GenerationSettings(temperature=0.0, top_p=1.0, seed=0, max_new_tokens=10)
     histories = [[{"role": "user", "content": "hi" * n}] for n in (1, 7, 3, 12)]
     batched = TargetResponder(target, settings, batch_size=4)(histories, seed=0)
     single = [TargetResponder(target, settings, batch_size=1)([h], seed=0)[0] for h in histories]
@@ -149,7 +149,7 @@ def test_other_settings_on_resume_are_refused(tmp_path):
             conversations(),
             RecordingResponder(),
             tmp_path / "out.jsonl",
-            GenerationSettings(),
+            GenerationSettings(temperature=0.0, top_p=1.0, max_new_tokens=512, seed=0),
             {"data": "test"},
             chunk_size=2,
             progress=False,
@@ -159,7 +159,9 @@ def test_other_settings_on_resume_are_refused(tmp_path):
 
 def test_too_long_prompts_are_not_sent_to_the_target():
     target = tiny_random_target()
-    responder = TargetResponder(target, GenerationSettings(max_new_tokens=8), max_prompt_tokens=80)
+    responder = TargetResponder(
+        target, GenerationSettings(temperature=0.0, top_p=1.0, seed=0, max_new_tokens=8), max_prompt_tokens=80
+    )
     answers = responder(
         [[{"role": "user", "content": "x" * 100}], [{"role": "user", "content": "y"}]], seed=0
     )
@@ -286,7 +288,7 @@ def captured_run(tmp_path, name, responder_class=TargetResponder, heldout_fracti
     """First turns of 7 conversations in chunks of 2, greedy, features captured into
     ``<name>/{train,heldout}``, the answers into ``<answers or name>.jsonl``."""
     target = tiny_random_target(initializer_range=0.5)
-    settings = GenerationSettings(temperature=0.0, max_new_tokens=8, seed=3)
+    settings = GenerationSettings(temperature=0.0, top_p=1.0, max_new_tokens=8, seed=3)
     fields = StoredFields(target.spec.aux_layer_ids, top_k=4)
     dirs = {split: tmp_path / name / split for split in ("train", "heldout")}
     writer = CapturedCacheWriter(dirs, target, fields, heldout_fraction, 1, {"d": 1})

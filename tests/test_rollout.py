@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from specdraft.data.features import TokenBatch, extract_features
 from specdraft.data.target import target_weights
-from specdraft.heads import Eagle3Config, Eagle3Head, EagleHead
+from specdraft.heads import Eagle3Config, Eagle3Head, EagleConfig, EagleHead
 from specdraft.heads.layers import AlignedMask, aligned_attention, causal_mask
 from specdraft.heads.rollout import rollout
 from specdraft.train.objective import RolloutConfig
@@ -72,7 +72,7 @@ def test_training_step_j_is_decode_step_j(tiny_target, kind, detach):
     torch.manual_seed(0)
     weights = target_weights(tiny_target)
     if kind == "eagle":
-        head = EagleHead(tiny_target.spec, weights)
+        head = EagleHead(tiny_target.spec, weights, EagleConfig(fc_bias=False))
     else:
         head = Eagle3Head(tiny_target.spec, weights, Eagle3Config(draft_vocab_size=None))
     head = head.double()
@@ -90,7 +90,7 @@ def test_training_step_j_is_decode_step_j(tiny_target, kind, detach):
 
 def test_detach_cuts_the_gradient_between_steps(tiny_target):
     batch = tiny_features(tiny_target)
-    head = EagleHead(tiny_target.spec, target_weights(tiny_target))
+    head = EagleHead(tiny_target.spec, target_weights(tiny_target), EagleConfig(fc_bias=False))
     for detach, connected in ((True, False), (False, True)):
         outputs = rollout(head, batch.hidden, batch.input_ids, 2, detach)
         (grad,) = torch.autograd.grad(outputs[1].sum(), outputs[0], allow_unused=True)

@@ -127,7 +127,7 @@ def test_speculative_decoding_on_smollm2_equals_plain_greedy(smollm2_fp32):
     expected = plain_generate(TargetRunner(target), prompt, 32, Sampling(), eos).tokens
     reference = prompt.tolist() + expected
     torch.manual_seed(0)
-    for kind, config in (("eagle", {}), ("eagle3", {"draft_vocab_size": None})):
+    for kind, config in (("eagle", {"fc_bias": False}), ("eagle3", {"draft_vocab_size": None})):
         head = build_head(kind, config, target.spec, target_weights(target)).eval()
         runner = TargetRunner(target, target.spec.aux_layer_ids if kind == "eagle3" else ())
         drafter = FeatureHeadDrafter(head, DynamicTree(depth=3, top_k=4, total_tokens=12))
@@ -140,7 +140,7 @@ def test_speculative_decoding_on_smollm2_equals_plain_greedy(smollm2_fp32):
             scores[reference[index]] = scores.max() + 30.0
         return scores
 
-    head = build_head("eagle", {}, target.spec, target_weights(target)).eval()
+    head = build_head("eagle", {"fc_bias": False}, target.spec, target_weights(target)).eval()
     drafter = FeatureHeadDrafter(head, Chain(depth=4), score_filter=oracle)
     generation = speculative_generate(TargetRunner(target), drafter, prompt, 32, Sampling(), eos)
     assert generation.tokens == expected

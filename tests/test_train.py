@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 
 from specdraft.data.features import TokenBatch, extract_features
 from specdraft.data.target import target_weights
-from specdraft.heads import EagleHead
+from specdraft.heads import EagleConfig, EagleHead
 from specdraft.heads.formats import read_checkpoint
 from specdraft.system.hardware import resolve_precision
 from specdraft.train.callbacks import TrainingDeadline
@@ -131,7 +131,7 @@ def test_a_rollout_vocabulary_trains_within_the_training_one(tmp_path):
     counts = torch.arange(target.spec.vocab_size).float()
 
     def objective(**sizes):
-        loss = OmegaConf.create({"weights": {}, "rollout": {}, "eval_steps": 4, **sizes})
+        loss = OmegaConf.create({"weights": {}, "rollout": {}, "eval_steps": 4, "chunk_size": 128, **sizes})
         return build_objective(loss, target, None, counts)
 
     assert objective(draft_vocab_size=32, rollout_vocab_size=64).rollout_vocab is None
@@ -384,9 +384,11 @@ def test_a_batch_on_another_device_than_the_head_is_one_clear_error(tiny_target)
     machine: a field of the batch on another device (meta here) fails before any matmul."""
     ids = torch.randint(3, 50, (2, 8))
     batch = extract_features(tiny_target, TokenBatch(ids, torch.ones_like(ids), torch.ones_like(ids)))
-    objective = DraftObjective(LossWeights(feature=1.0), RolloutConfig())
+    objective = DraftObjective(LossWeights(feature=1.0), RolloutConfig(), eval_steps=4, chunk_size=128)
     module = DraftHeadModule(
-        EagleHead(tiny_target.spec, target_weights(tiny_target)), objective, torch.optim.AdamW
+        EagleHead(tiny_target.spec, target_weights(tiny_target), EagleConfig(fc_bias=False)),
+        objective,
+        torch.optim.AdamW,
     )
     assert torch.isfinite(module.training_step(batch, 0))  # same device: trains (no trainer to log to)
     batch.hidden = batch.hidden.to("meta")
@@ -398,9 +400,11 @@ def test_fsdp_gradients_are_clipped_by_norm_through_the_fsdp_module(tiny_target)
     """Lightning raises for clipping FSDP gradients by norm, the trainer's default (seen on an
     H100: `trainer=fsdp` failed at its first step); the module clips through FSDP's own
     clip_grad_norm_ (a collective over the shards) and leaves every other case to Lightning."""
-    objective = DraftObjective(LossWeights(feature=1.0), RolloutConfig())
+    objective = DraftObjective(LossWeights(feature=1.0), RolloutConfig(), eval_steps=4, chunk_size=128)
     module = DraftHeadModule(
-        EagleHead(tiny_target.spec, target_weights(tiny_target)), objective, torch.optim.AdamW
+        EagleHead(tiny_target.spec, target_weights(tiny_target), EagleConfig(fc_bias=False)),
+        objective,
+        torch.optim.AdamW,
     )
     optimizer = torch.optim.AdamW(module.parameters())
     fsdp = mock.create_autospec(FullyShardedDataParallel, instance=True)
@@ -420,9 +424,11 @@ def test_a_fused_optimizer_under_bf16_mixed_is_clipped_by_norm(tiny_target):
     """conf/optim/adamw.yaml's fused AdamW: Lightning's mixed-precision plugin refuses to clip
     for it (a GradScaler's gradients would be unscaled inside its step); bf16 has no scaler, so
     the module clips by norm as in full precision."""
-    objective = DraftObjective(LossWeights(feature=1.0), RolloutConfig())
+    objective = DraftObjective(LossWeights(feature=1.0), RolloutConfig(), eval_steps=4, chunk_size=128)
     module = DraftHeadModule(
-        EagleHead(tiny_target.spec, target_weights(tiny_target)), objective, torch.optim.AdamW
+        EagleHead(tiny_target.spec, target_weights(tiny_target), EagleConfig(fc_bias=False)),
+        objective,
+        torch.optim.AdamW,
     )
     optimizer = torch.optim.AdamW(module.parameters(), fused=True)
     plugin = MixedPrecision("bf16-mixed", "cpu")

@@ -41,7 +41,6 @@ from specdraft.system.errors import user_errors
 from specdraft.system.files import write_json_atomic
 from specdraft.system.hardware import start
 from specdraft.train.callbacks import ThroughputMonitor, TrainingDeadline, peak_memory_bytes
-from specdraft.train.fused import DEFAULT_CHUNK_SIZE
 from specdraft.train.loggers import finish_loggers
 from specdraft.train.losses import LossWeights
 from specdraft.train.module import SIM_TAU, DraftHeadModule
@@ -157,7 +156,7 @@ def warm_start(head: DraftHead, record: dict[str, Any], path: str, target: Targe
     trained = read_head(path, target.spec, target_lm_head=weights.lm_head)
     if trained.kind != head.kind:
         raise ValueError(f"init_from={path}: the trained head is {trained.kind}, this run trains {head.kind}")
-    # Its config as that head resolves it (defaults filled in), compared with this run's.
+    # Its config as that head resolves it, compared with this run's.
     built = build_head(trained.kind, trained.config, trained.spec, weights)
     resolved = config_record(built)
     differing = [
@@ -254,8 +253,8 @@ def build_objective(
     return DraftObjective(
         LossWeights(**loss_cfg.weights),
         RolloutConfig(**loss_cfg.rollout),
-        loss_cfg.eval_steps,
-        chunk_size=loss_cfg.get("chunk_size", DEFAULT_CHUNK_SIZE),
+        eval_steps=loss_cfg.eval_steps,
+        chunk_size=loss_cfg.chunk_size,
         draft_vocab=vocab.get("draft_vocab_size"),
         rollout_vocab=vocab.get("rollout_vocab_size"),
     )

@@ -39,7 +39,6 @@ from specdraft.train.vocab_major import (
 )
 
 TERMS = ("soft_ce", "forward_kl", "topk", "ce")
-DEFAULT_CHUNK_SIZE = 128  # 4–5 buffers of 128 × 49k fp32 = 25 MB; 256 or 512: no faster (EAGLE, AVX2 EPYC)
 
 
 @dataclass
@@ -112,7 +111,7 @@ class TargetSide:
 
 
 def fused_vocab_losses(
-    draft: DraftSide, target: TargetSide, weights: LossWeights, chunk_size: int = DEFAULT_CHUNK_SIZE
+    draft: DraftSide, target: TargetSide, weights: LossWeights, chunk_size: int
 ) -> FusedOutput:
     """The vocabulary-sized terms of ``weights`` over ``draft``'s S steps against ``target`` at N
     positions, ``chunk_size`` positions at a time; differentiable with respect to

@@ -25,7 +25,6 @@ from specdraft.data.features import FeatureBatch, target_topk
 from specdraft.heads.interface import DraftHead, shift_left
 from specdraft.heads.vocab import VocabProjection, VocabRestriction
 from specdraft.train.fused import (
-    DEFAULT_CHUNK_SIZE,
     TERMS,
     DraftSide,
     TargetSide,
@@ -88,7 +87,8 @@ class DraftObjective:
     eval_steps: steps evaluated (for acc_j and simulated τ) when ``train=False``, at least
     ``rollout.steps`` (steps beyond the trained ones are measured, not added to the loss);
     a head with parallel steps (Medusa's heads) always evaluates all of them.
-    chunk_size: positions per vocabulary chunk.
+    chunk_size: positions per vocabulary chunk (the memory of the vocabulary-sized terms).
+    Both are set by conf (conf/train.yaml ``loss``), not here.
     draft_vocab: target ids of a reduced TRAINING vocabulary (for a head with its own reduced one,
     a part of it): the vocabulary-sized terms and acc_j are computed over it (the target's
     distribution renormalised over it, positions whose target argmax lies outside it not trained
@@ -107,8 +107,9 @@ class DraftObjective:
         self,
         weights: LossWeights,
         rollout: RolloutConfig,
-        eval_steps: int = 4,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        *,
+        eval_steps: int,
+        chunk_size: int,
         draft_vocab: Tensor | None = None,
         rollout_vocab: Tensor | None = None,
     ) -> None:

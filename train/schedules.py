@@ -22,7 +22,7 @@ class WarmupCosine(torch.optim.lr_scheduler.LambdaLR):
         optimizer: torch.optim.Optimizer,
         warmup_steps: int,
         total_steps: int,
-        min_lr_ratio: float = 0.0,
+        min_lr_ratio: float,
     ) -> None:
         self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
         self._total_steps = total_steps
@@ -52,7 +52,7 @@ class WarmupCosine(torch.optim.lr_scheduler.LambdaLR):
 
 
 def warmup_cosine(
-    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float
 ) -> WarmupCosine:
     """:class:`WarmupCosine` (conf/scheduler/warmup_cosine.yaml)."""
     return WarmupCosine(optimizer, warmup_steps, total_steps, min_lr_ratio)
