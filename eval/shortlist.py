@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.data.cache import FeatureCache
+from specdraft.data.cache_dataset import FeatureCache
 
 
 def cached_assistant_counts(cache_dir: str | Path, vocab_size: int) -> torch.Tensor:

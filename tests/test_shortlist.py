@@ -10,7 +10,9 @@ from specdraft.eval.shortlist import cached_assistant_counts
 
 
 def test_a_caches_counts_are_the_assistant_tokens_it_was_made_of(tmp_path, tiny_target):
-    samples, _ = tokenize_conversations(tiny_target.tokenizer, tiny_conversations(12).conversations, 256)
+    samples, _ = tokenize_conversations(
+        tiny_target.tokenizer, tiny_conversations(12, seed=0).conversations, 256
+    )
     write_cache(
         tiny_target, samples, tmp_path / "train", StoredFields(), {"d": 1}, shard_tokens=300, progress=False
     )
