@@ -28,6 +28,7 @@ from collections.abc import Collection, Sequence
 import torch
 from torch import Tensor
 
+from specdraft.data.kv_cache import PositionalKVCache
 from specdraft.data.target import Target
 from specdraft.eval.decode import (
     Generation,
@@ -39,7 +40,7 @@ from specdraft.eval.decode import (
     device_clock,
 )
 from specdraft.eval.drafters import Drafter
-from specdraft.eval.runner import PositionalKVCache, TargetOutput, decoder_features
+from specdraft.eval.runner import TargetOutput, decoder_features
 from specdraft.eval.sampling import Sampling
 
 

@@ -12,7 +12,8 @@ from specdraft.data.packed_linear import PackedLinear, pack_linear_weights
 from specdraft.data.target import target_weights
 from specdraft.data.tiny import tiny_random_target
 from specdraft.eval.decode import plain_generate, speculative_generate
-from specdraft.eval.drafters import DynamicTree, FeatureHeadDrafter
+from specdraft.eval.drafters import DynamicTree
+from specdraft.eval.feature_drafter import FeatureHeadDrafter
 from specdraft.eval.kernels import (
     GROUPED_QUERY_ATTENTION,
     grouped_query_attention,
