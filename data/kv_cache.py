@@ -76,7 +76,12 @@ class PositionalKVCache(Cache):
     dropping entries is moving the cursor. A static step sets ``write_index`` instead — n int64
     (the same positions in every row) or B×n (each row its own: ragged sequences) — and
     attention reads the first ``read_length`` positions (None: the whole capacity), masked.
-    ``batch`` (≤ B): the forward runs the first ``batch`` rows."""
+    ``batch`` (≤ B): the forward runs the first ``batch`` rows.
+
+    Its users: the target runner (B = 1, :mod:`specdraft.eval.runner`), batches of ragged rows
+    (:mod:`specdraft.eval.batch`), a draft LM (:mod:`specdraft.eval.draft_model`), and
+    regeneration (:mod:`specdraft.data.generate`: a left-padded prefill, then one column per row
+    and step at ``write_index`` B×1 over a capacity resized to the columns in use)."""
 
     def __init__(
         self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, batch: int = 1
@@ -95,16 +100,15 @@ class PositionalKVCache(Cache):
 
     @classmethod
     def for_model(cls, model, dtype: torch.dtype, device, batch: int = 1) -> PositionalKVCache:
+        """A cache for the decoder, which gives attention its own masks: sliding-window
+        attention, which those masks do not express, is refused."""
         config = model.config
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             raise NotImplementedError(
                 f"{config.model_type}: sliding-window attention (sliding_window={config.sliding_window}) "
                 "is not supported by the decoder's positional KV cache"
             )
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return cls(config.num_hidden_layers, kv_heads, head_dim, dtype, device, batch)
+        return cls(*kv_shape(config), dtype, device, batch)
 
     @property
     def capacity(self) -> int:
@@ -113,6 +117,32 @@ class PositionalKVCache(Cache):
     def reserve(self, length: int) -> None:
         """Make room for ``length`` positions (the entries before ``write_at`` are kept)."""
         self.storage = grow_positions(self.storage, length, keep=self.write_at)
+
+    def reserve_rows(self, rows: int) -> None:
+        """Run the next forwards on ``rows`` sequences (the rows grow, never shrink; a grown
+        cache holds nothing)."""
+        if rows > self.storage.shape[2]:
+            self.storage = self.storage.new_zeros(*self.storage.shape[:2], rows, *self.storage.shape[3:])
+        self.batch = rows
+
+    def resize(self, capacity: int) -> None:
+        """Hold exactly ``capacity`` positions, the first ones kept (zeros past the old ones):
+        attention over the whole capacity then reads contiguous memory (regeneration's buffers,
+        data/generate.py)."""
+        kept = min(capacity, self.capacity)
+        resized = self.storage.new_zeros(*self.storage.shape[:-2], capacity, self.storage.shape[-1])
+        resized[..., :kept, :] = self.storage[..., :kept, :]
+        self.storage = resized
+
+    def select_rows(self, keep: Tensor) -> None:
+        """Keep only the rows ``keep`` (int64), in that order."""
+        self.storage = self.storage[:, :, keep]
+        self.batch = len(keep)
+
+    def load_rows(self, rows: Tensor, source: PositionalKVCache) -> None:
+        """Copy every row of ``source`` (its whole capacity W) into rows ``rows`` (int64), at
+        positions 0 .. W, every layer's keys and values in one copy."""
+        self.storage[:, :, rows, :, : source.capacity] = source.storage
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` positions."""
@@ -125,3 +155,11 @@ class PositionalKVCache(Cache):
         storage = self.storage if row is None else self.storage[:, :, row : row + 1]
         to = destination + torch.arange(len(source), device=storage.device)
         storage.index_copy_(-2, to, storage.index_select(-2, source))
+
+
+def kv_shape(config) -> tuple[int, int, int]:
+    """(layers, key/value heads, head dim) of a transformers model's ``config``."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return config.num_hidden_layers, kv_heads, head_dim

@@ -74,11 +74,7 @@ class BatchRunner:
 
     def reserve(self, rows: int, length: int) -> None:
         """Room for ``rows`` sequences of ``length`` tokens (prompt + new tokens + tree depth)."""
-        storage = self.cache.storage
-        if rows > storage.shape[2]:
-            storage = storage.new_zeros(*storage.shape[:2], rows, *storage.shape[3:])
-            self.cache.storage = storage
-        self.cache.batch = rows
+        self.cache.reserve_rows(rows)
         self.cache.reserve(length)
 
     def _forward(self, tokens: Tensor, depths: Tensor, visible: Tensor) -> tuple[Tensor, Tensor | None]:

@@ -22,6 +22,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from specdraft.data.atomic import write_json_atomic
+from specdraft.data.attention import GROUPED_QUERY_ATTENTION, use_grouped_query_attention
 from specdraft.data.chat import assistant_token_counts, tokenize_conversations
 from specdraft.data.conversations import split_conversations
 from specdraft.data.errors import user_errors
@@ -42,7 +43,6 @@ from specdraft.eval.bench import run_batch_benchmark, run_benchmark
 from specdraft.eval.decode import Typical
 from specdraft.eval.drafters import Drafter, TreeShape
 from specdraft.eval.graphs import resolve_graphs
-from specdraft.eval.kernels import GROUPED_QUERY_ATTENTION, use_grouped_query_attention
 from specdraft.eval.load import load_head
 from specdraft.eval.methods import ShapeChooser, build_method, tree_shape
 from specdraft.eval.runner import TargetRunner

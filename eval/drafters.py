@@ -1,4 +1,5 @@
-"""Drafters: what proposes the tokens the target verifies.
+"""What every drafter shares: the interface (what proposes the tokens the target verifies), the
+tree shapes it drafts, and the tree grown node by node on the host.
 
 Every drafter follows the decode loop's rhythm (:mod:`specdraft.eval.decode`):
 
