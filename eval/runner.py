@@ -2,10 +2,10 @@
 
 Built like gpt-fast, without copying modeling code:
 
-* the KV cache (:class:`PositionalKVCache`, a transformers ``Cache``) is ONE tensor for every
-  layer's keys and values, allocated once and reused across sequences; a forward writes its n
-  new entries at positions ``length .. length+n`` and attends over the prefix view — nothing is
-  concatenated, nothing is freed;
+* the KV cache (:class:`~specdraft.data.kv_cache.PositionalKVCache`, a transformers ``Cache``)
+  is ONE tensor for every layer's keys and values, allocated once and reused across sequences;
+  a forward writes its n new entries at positions ``length .. length+n`` and attends over the
+  prefix view — nothing is concatenated, nothing is freed;
 * tree verification runs every drafted node in one forward: positions = committed length + node
   depth, and a 4D additive mask (transformers uses a 4D mask as given) lets each node see the
   committed past plus its own ancestors. The mask lives in a preallocated buffer: only the tree's
