@@ -136,8 +136,16 @@ class _ContinuousBatch:
     answers (``owner``, −1: free), each row's newest token, and the answers so far."""
 
     def __init__(
-        self, model, prompts, max_new_tokens, eos_token_ids, batch_size, pad_token_id, window_grain, capture
-    ):
+        self,
+        model: torch.nn.Module,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        eos_token_ids: Collection[int],
+        batch_size: int,
+        pad_token_id: int,
+        window_grain: int,
+        capture: FeatureCapture | None,
+    ) -> None:
         self.model, self.prompts, self.max_new_tokens = model, prompts, max_new_tokens
         self.eos, self.pad_token_id, self.capture = set(eos_token_ids), pad_token_id, capture
         self.device = next(model.parameters()).device
