@@ -13,7 +13,9 @@ than the linear layers): transformers' SDPA read the keys and values of every ro
 of the preallocated buffer, and on a CPU a product over that strided slice runs ~5× slower than
 over contiguous memory. So the buffers hold only the columns in use (grown and shrunk by
 ``window_grain`` columns, each a copy of the cache), always contiguous, and on a CPU a one-token
-step's attention is two batched products on the key/value heads (:func:`one_token_attention`).
+step's attention is two batched products on the key/value heads (:mod:`specdraft.data.attention`).
+The cache is the decoder's own :class:`~specdraft.data.kv_cache.PositionalKVCache`, resized to the
+columns in use and written at one column per row (``write_index``).
 
 What is left is near this design's floor on a CPU (128 rows, bf16, 2-core AVX-512-bf16 EPYC): of
 a decode step 43 % is the linear layers (at about the machine's bf16 matmul rate) and 30-38 %
@@ -31,17 +33,15 @@ forward; in fp32 the tokens equal ``generate(do_sample=False)``'s on each prompt
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
-from functools import partial
+from collections.abc import Callable, Collection, Sequence
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor, nn
-from transformers import AttentionInterface
-from transformers.cache_utils import Cache, DynamicLayer
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from torch import Tensor
+
+from specdraft.data.attention import slot_attention
+from specdraft.data.kv_cache import PositionalKVCache, kv_shape
 
 if TYPE_CHECKING:
     from specdraft.data.capture import FeatureCapture
@@ -57,160 +57,28 @@ WINDOW_GRAIN = 64
 # prefill faster in groups too: 1.6-1.7 s against 1.9-2.2 s in one forward for the first chunk of
 # 512 ShareGPT first turns, 3.0 s against 5.1-5.2 for the second (bf16, 2-core AVX-512-bf16 EPYC).
 PREFILL_ROWS = 16
-SLOT_ATTENTION = "specdraft_slot_attention"  # our name in transformers' AttentionInterface
-
-
-def one_token_attention(
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    *,
-    fallback: Callable = ALL_ATTENTION_FUNCTIONS["sdpa"],
-    **kwargs,
-) -> tuple[Tensor, None]:
-    """A one-token decode step's attention as two batched products on the key/value heads, the
-    query heads that share one stacked as its rows (as transformers' ``pack_gqa`` does for SDPA).
-    On contiguous keys and values this is ~2× CPU SDPA's one-token kernel (64 rows × 600 columns,
-    bf16). The scores are rounded to the keys' dtype before the fp32 softmax (a CPU has no bf16
-    product with fp32 output); the weights are, as in SDPA's CPU kernel. Anything else
-    (prefills, dropout, strided caches) goes to ``fallback``.
-
-    query B×H×1×d, key and value B×Hkv×L×d (query head h reads key/value head h // (H/Hkv), as
-    ``repeat_kv`` pairs them), attention_mask B×1×1×L (bool: True where visible, or additive) or
-    None. Returns B×1×H×d."""
-    batch, heads, length, dim = query.shape
-    if length != 1 or dropout or not (key.is_contiguous() and value.is_contiguous()):
-        return fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    rows = query.reshape(batch, key.shape[1], heads // key.shape[1], dim)
-    scores = torch.matmul(rows, key.transpose(-1, -2)).float() * (dim**-0.5 if scaling is None else scaling)
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attention_mask, float("-inf"))
-    elif attention_mask is not None:
-        scores = scores + attention_mask.float()
-    output = torch.matmul(scores.softmax(-1).to(value.dtype), value)
-    return output.reshape(batch, heads, 1, dim).transpose(1, 2), None
-
-
-@contextmanager
-def slot_attention(model: nn.Module) -> Iterator[None]:
-    """Run ``model``'s one-token steps with :func:`one_token_attention` inside the block, its other
-    forwards with the attention it ran before (restored after). Only on a CPU (where it was
-    measured) and for attentions that take SDPA's masks; others are left as they are."""
-    previous = model.config._attn_implementation
-    sdpa_masks = ALL_MASK_ATTENTION_FUNCTIONS.get(previous) is sdpa_mask
-    sdpa_like = previous in ALL_ATTENTION_FUNCTIONS and sdpa_masks
-    if not sdpa_like or next(model.parameters()).device.type != "cpu":
-        yield
-        return
-    name = f"{SLOT_ATTENTION}:{previous}"
-    # transformers' extension point: a named implementation, chosen per model.
-    attention = partial(one_token_attention, fallback=ALL_ATTENTION_FUNCTIONS[previous])
-    AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, sdpa_mask)
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
-
-
-class PreallocatedLayer(DynamicLayer):
-    """One layer's KV cache for a prefill: B×h×capacity×d buffers written in place; ``keys`` /
-    ``values`` are views of the filled B×h×length×d part (what attention and the mask sizes read)."""
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__()
-        self.capacity, self.length = capacity, 0
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        batch, heads, _, dim = key_states.shape
-        self.key_buffer = key_states.new_empty(batch, heads, self.capacity, dim)
-        self.value_buffer = value_states.new_empty(batch, heads, self.capacity, value_states.shape[-1])
-        self.is_initialized = True
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
-        if end > self.capacity:
-            raise RuntimeError(f"KV cache of {self.capacity} positions cannot hold {end}")
-        self.key_buffer[:, :, self.length : end] = key_states
-        self.value_buffer[:, :, self.length : end] = value_states
-        self.length = end
-        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
-        return self.keys, self.values
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a preallocated generation cache is never cropped")
-
-
-class SlotLayer(DynamicLayer):
-    """One layer's KV cache for continuous batching: B×h×columns×d buffers, one row per slot,
-    each slot writing its next key at its own column (``slots.write``). Attention reads all
-    ``slots.columns`` (contiguous: see the module docstring); which of them a row may see is the
-    attention mask's business."""
-
-    def __init__(self, slots: Slots) -> None:
-        super().__init__()
-        self.slots = slots
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        raise RuntimeError("a slot cache is filled by Slots.load, not by a forward")
-
-    def allocate(self, batch: int, heads: int, key_dim: int, value_dim: int, dtype, device) -> None:
-        self.dtype, self.device = dtype, device
-        columns = self.slots.columns
-        self.key_buffer = torch.zeros(batch, heads, columns, key_dim, dtype=dtype, device=device)
-        self.value_buffer = torch.zeros(batch, heads, columns, value_dim, dtype=dtype, device=device)
-        self.is_initialized = True
-
-    def resize(self, columns: int) -> None:
-        """Keep the first ``columns`` columns (zeros past the old ones)."""
-        kept = min(columns, self.key_buffer.shape[2])
-        for name in ("key_buffer", "value_buffer"):
-            old = getattr(self, name)
-            new = old.new_zeros(*old.shape[:2], columns, old.shape[3])
-            new[:, :, :kept] = old[:, :, :kept]
-            setattr(self, name, new)
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        rows = torch.arange(key_states.shape[0], device=key_states.device)
-        self.key_buffer[rows, :, self.slots.write] = key_states[:, :, 0]
-        self.value_buffer[rows, :, self.slots.write] = value_states[:, :, 0]
-        return self.key_buffer, self.value_buffer
-
-    def get_seq_length(self) -> int:
-        return self.slots.columns - 1  # what precedes the one new column of a decode step
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.slots.columns, 0
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a slot cache is never cropped")
-
-    def batch_select_indices(self, indices: Tensor) -> None:
-        self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
 
 
 class Slots:
     """The per-row state of a continuous batch: the column each row writes next (``write``), its
-    next rotary position (``position``), which cache columns it may attend (``visible``), and how
-    many columns the buffers hold (``columns``: a multiple of ``grain``, at least the furthest
-    row's next column + 1)."""
+    next rotary position (``position``), which cache columns it may attend (``visible``), how
+    many columns the cache holds (``columns``: a multiple of ``grain``, at least the furthest
+    row's next column + 1), and the cache itself (B rows, exactly ``columns`` positions, so that
+    attention reads contiguous memory: see the module docstring)."""
 
-    def __init__(self, batch: int, capacity: int, num_layers: int, device: torch.device, grain: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, batch: int, capacity: int, device: torch.device, grain: int
+    ) -> None:
         self.capacity, self.grain = capacity, grain
         self.write = torch.zeros(batch, dtype=torch.long, device=device)
         self.position = torch.zeros(batch, dtype=torch.long, device=device)
         # as many columns as the buffers may grow to (capacity rounded up to the grain)
         self.visible = torch.zeros(batch, -(-capacity // grain) * grain, dtype=torch.long, device=device)
-        self.cache = Cache(layers=[SlotLayer(self) for _ in range(num_layers)])
+        # Regeneration's masks come from transformers (2D, expanded by the model, sliding windows
+        # included), so the decoder's refusal of sliding windows (for_model) does not apply.
+        self.cache = PositionalKVCache(*kv_shape(model.config), model.dtype, device, batch)
         self.columns = grain
+        self.cache.resize(grain)
 
     def fit(self, needed: int) -> None:
         """Hold ``needed`` columns: grow to the next multiple of ``grain``, or shrink to it when
@@ -222,22 +90,14 @@ class Slots:
         if columns == self.columns:
             return
         self.columns = columns
-        for layer in self.cache.layers:
-            if layer.is_initialized:
-                layer.resize(columns)
+        self.cache.resize(columns)
 
-    def load(self, slots: Tensor, prefill: Cache, attention_mask: Tensor) -> None:
-        """Copy a left-padded prefill (rows i of ``prefill``, W columns) into rows ``slots``."""
+    def load(self, slots: Tensor, prefill: PositionalKVCache, attention_mask: Tensor) -> None:
+        """Copy a left-padded prefill (row i of ``prefill``, W columns) into rows ``slots``."""
         width = attention_mask.shape[1]
         if width + 1 > self.columns:  # grow only: other rows may write further
             self.fit(width + 1)
-        for layer, source in zip(self.cache.layers, prefill.layers, strict=True):
-            if not layer.is_initialized:
-                _, heads, _, key_dim = source.keys.shape
-                value_dim, dtype, device = source.values.shape[-1], source.keys.dtype, source.keys.device
-                layer.allocate(self.write.numel(), heads, key_dim, value_dim, dtype, device)
-            layer.key_buffer[slots, :, :width] = source.keys
-            layer.value_buffer[slots, :, :width] = source.values
+        self.cache.load_rows(slots, prefill)
         self.visible[slots] = 0
         self.visible[slots, :width] = attention_mask
         self.write[slots] = width
@@ -246,7 +106,119 @@ class Slots:
     def select(self, keep: Tensor) -> None:
         """Keep only the rows ``keep`` (ended rows leave the batch)."""
         self.write, self.position, self.visible = self.write[keep], self.position[keep], self.visible[keep]
-        self.cache.batch_select_indices(keep)
+        self.cache.select_rows(keep)
+
+    def step_logits(self, model: torch.nn.Module, tokens: Tensor) -> Tensor:
+        """One decoding step of every row: ``tokens`` B (each row's newest token) written at its
+        own column, attending its visible columns; returns the last logits B×V. The columns and
+        positions do not advance here (an ended row rewrites its column)."""
+        device = self.write.device
+        self.fit(int(self.write.max()) + 1)
+        self.visible[torch.arange(len(self.write), device=device), self.write] = 1
+        # one column per row, read over the whole (contiguous) capacity; the mask covers it all
+        self.cache.write_index, self.cache.read_length = self.write[:, None], None
+        self.cache.write_at = self.columns - 1  # what precedes the one new column of a step
+        try:
+            return model(
+                input_ids=tokens.to(device).unsqueeze(-1),
+                attention_mask=self.visible[:, : self.columns],
+                position_ids=self.position.unsqueeze(-1),
+                past_key_values=self.cache,
+                cache_position=torch.tensor([self.columns - 1], device=device),
+                use_cache=True,
+            ).logits[:, -1]
+        finally:
+            self.cache.write_index = None
+
+
+class _ContinuousBatch:
+    """:func:`greedy_generate`'s state: the prompts' queue (shortest first), the prompt each row
+    answers (``owner``, −1: free), each row's newest token, and the answers so far."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        eos_token_ids: Collection[int],
+        batch_size: int,
+        pad_token_id: int,
+        window_grain: int,
+        capture: FeatureCapture | None,
+    ) -> None:
+        self.model, self.prompts, self.max_new_tokens = model, prompts, max_new_tokens
+        self.eos, self.pad_token_id, self.capture = set(eos_token_ids), pad_token_id, capture
+        self.device = next(model.parameters()).device
+        self.outputs: list[list[int]] = [[] for _ in prompts]
+        # Shortest first: every row attends the columns up to the furthest row's, so rows of
+        # similar length together keep that window small (longest first measured 25 % slower on a CPU).
+        self.queue = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+        batch = min(batch_size, len(self.queue))
+        capacity = max(len(p) for p in prompts) + max_new_tokens
+        self.slots = Slots(model, batch, capacity, self.device, window_grain)
+        self.owner = [-1] * batch
+        self.tokens = torch.full((batch,), pad_token_id, dtype=torch.long)
+        self.finishing: set[int] = set()  # rows whose answer ended, fed its last token once more (capture)
+
+    def emit(self, rows: list[int], new: list[int]) -> None:
+        """Append each row's new token to its answer; a row whose answer ended is freed (or,
+        with a capture, fed its last token once more first)."""
+        for row, token in zip(rows, new, strict=True):
+            index = self.owner[row]
+            self.outputs[index].append(token)
+            if token in self.eos or len(self.outputs[index]) == self.max_new_tokens:
+                if self.capture is None:
+                    self.owner[row] = -1
+                else:
+                    self.finishing.add(row)
+            self.tokens[row] = token
+
+    def refill(self) -> None:
+        """Give the free rows the next prompts of the queue, prefilled."""
+        while self.queue and -1 in self.owner:
+            # At most PREFILL_ROWS prompts a forward: consecutive in the (sorted) queue, so each
+            # group pads to about its own length, not the longest of the whole batch.
+            free = [row for row, index in enumerate(self.owner) if index == -1]
+            free = free[: min(len(self.queue), PREFILL_ROWS)]
+            chosen = [self.queue.pop(0) for _ in free]
+            input_ids, attention_mask = left_pad(
+                [self.prompts[i] for i in chosen], self.pad_token_id, self.device
+            )
+            logits, prefill = _prefill(self.model, input_ids, attention_mask)
+            if self.capture is not None:
+                self.capture.prefill(chosen, attention_mask, logits)
+            self.slots.load(torch.tensor(free, device=self.device), prefill, attention_mask)
+            for row, index in zip(free, chosen, strict=True):
+                self.owner[row] = index
+            self.emit(free, greedy_tokens(logits).tolist())
+
+    def compact(self) -> None:
+        """Drop the ended rows once they are COMPACT_FRACTION of the batch (a copy of the cache)."""
+        ended = [row for row, index in enumerate(self.owner) if index == -1]
+        if not ended or len(ended) < COMPACT_FRACTION * len(self.owner):
+            return
+        keep = [row for row, index in enumerate(self.owner) if index >= 0]
+        self.slots.select(torch.tensor(keep, device=self.device))
+        self.owner, self.tokens = [self.owner[row] for row in keep], self.tokens[keep]
+        self.finishing = {keep.index(row) for row in self.finishing}
+
+    def step(self) -> int:
+        """One decoding step of every row; returns the number of answer tokens it produced."""
+        active = [row for row, index in enumerate(self.owner) if index >= 0]
+        # An ended row waiting to leave the batch rewrites the same column with a pad token.
+        advance = torch.tensor([index >= 0 for index in self.owner], dtype=torch.long, device=self.device)
+        logits = self.slots.step_logits(self.model, self.tokens)
+        self.slots.write += advance
+        self.slots.position += advance
+        if self.capture is not None:
+            self.capture.step([self.owner[row] for row in active], active, logits)
+        fed_last = [row for row in active if row in self.finishing]
+        for row in fed_last:
+            self.owner[row] = -1
+        self.finishing.difference_update(fed_last)
+        active = [row for row in active if self.owner[row] >= 0]
+        self.emit(active, greedy_tokens(logits[active]).tolist())
+        return len(active)
 
 
 @torch.no_grad()
@@ -276,84 +248,20 @@ def greedy_generate(
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    outputs: list[list[int]] = [[] for _ in prompts]
     if not prompts:
-        return outputs
-    device = next(model.parameters()).device
-    eos = set(eos_token_ids)
-    # Shortest first: every row attends the columns up to the furthest row's, so rows of similar
-    # length together keep that window small (longest first measured 25 % slower on a CPU).
-    queue = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
-    batch = min(batch_size, len(queue))
-    capacity = max(len(p) for p in prompts) + max_new_tokens
-    slots = Slots(batch, capacity, model.config.num_hidden_layers, device, window_grain)
-    owner = [-1] * batch  # the prompt each row answers (−1: free)
-    tokens = torch.full((batch,), pad_token_id, dtype=torch.long)
-    finishing: set[int] = set()  # rows whose answer ended, fed its last token once more (capture)
-
-    def emit(rows: list[int], new: list[int]) -> None:
-        for row, token in zip(rows, new, strict=True):
-            index = owner[row]
-            outputs[index].append(token)
-            if token in eos or len(outputs[index]) == max_new_tokens:
-                if capture is None:
-                    owner[row] = -1
-                else:
-                    finishing.add(row)
-            tokens[row] = token
-
-    def refill() -> None:
-        while queue and -1 in owner:
-            # At most PREFILL_ROWS prompts a forward: consecutive in the (sorted) queue, so each
-            # group pads to about its own length, not the longest of the whole batch.
-            free = [row for row, index in enumerate(owner) if index == -1][: min(len(queue), PREFILL_ROWS)]
-            chosen = [queue.pop(0) for _ in free]
-            input_ids, attention_mask = left_pad([prompts[i] for i in chosen], pad_token_id, device)
-            logits, prefill = _prefill(model, input_ids, attention_mask)
-            if capture is not None:
-                capture.prefill(chosen, attention_mask, logits)
-            slots.load(torch.tensor(free, device=device), prefill, attention_mask)
-            for row, index in zip(free, chosen, strict=True):
-                owner[row] = index
-            emit(free, greedy_tokens(logits).tolist())
-
+        return []
+    batch = _ContinuousBatch(
+        model, prompts, max_new_tokens, eos_token_ids, batch_size, pad_token_id, window_grain, capture
+    )
     with slot_attention(model), capture or nullcontext():
-        refill()
-        while any(index >= 0 for index in owner):
-            ended = [row for row, index in enumerate(owner) if index == -1]
-            if ended and len(ended) >= COMPACT_FRACTION * len(owner):
-                keep = [row for row, index in enumerate(owner) if index >= 0]
-                slots.select(torch.tensor(keep, device=device))
-                owner, tokens = [owner[row] for row in keep], tokens[keep]
-                finishing = {keep.index(row) for row in finishing}
-            rows = torch.arange(len(owner), device=device)
-            active = [row for row, index in enumerate(owner) if index >= 0]
-            # An ended row waiting to leave the batch rewrites the same column with a pad token.
-            advance = torch.tensor([index >= 0 for index in owner], dtype=torch.long, device=device)
-            slots.fit(int(slots.write.max()) + 1)
-            slots.visible[rows, slots.write] = 1
-            logits = model(
-                input_ids=tokens.to(device).unsqueeze(-1),
-                attention_mask=slots.visible[:, : slots.columns],
-                position_ids=slots.position.unsqueeze(-1),
-                past_key_values=slots.cache,
-                cache_position=torch.tensor([slots.columns - 1], device=device),
-                use_cache=True,
-            ).logits[:, -1]
-            slots.write += advance
-            slots.position += advance
-            if capture is not None:
-                capture.step([owner[row] for row in active], active, logits)
-            fed_last = [row for row in active if row in finishing]
-            for row in fed_last:
-                owner[row] = -1
-            finishing.difference_update(fed_last)
-            active = [row for row in active if owner[row] >= 0]
-            emit(active, greedy_tokens(logits[active]).tolist())
+        batch.refill()
+        while any(index >= 0 for index in batch.owner):
+            batch.compact()
+            produced = batch.step()
             if on_step is not None:
-                on_step(len(active))
-            refill()
-    return outputs
+                on_step(produced)
+            batch.refill()
+    return batch.outputs
 
 
 def greedy_tokens(logits: Tensor) -> Tensor:
@@ -374,10 +282,13 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int, device) -> tup
     return input_ids.to(device), attention_mask.to(device)
 
 
-def _prefill(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Cache]:
-    """The last column's logits B×V of a left-padded batch, and its KV cache."""
-    width = input_ids.shape[1]
-    cache = Cache(layers=[PreallocatedLayer(width) for _ in range(model.config.num_hidden_layers)])
+def _prefill(
+    model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor
+) -> tuple[Tensor, PositionalKVCache]:
+    """The last column's logits B×V of a left-padded batch, and its KV cache (exactly its W
+    columns)."""
+    cache = PositionalKVCache(*kv_shape(model.config), model.dtype, input_ids.device, batch=len(input_ids))
+    cache.resize(input_ids.shape[1])
     logits = model(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -28,6 +28,7 @@ from collections.abc import Collection, Sequence
 import torch
 from torch import Tensor
 
+from specdraft.data.kv_cache import PositionalKVCache
 from specdraft.data.target import Target
 from specdraft.eval.decode import (
     Generation,
@@ -39,7 +40,7 @@ from specdraft.eval.decode import (
     device_clock,
 )
 from specdraft.eval.drafters import Drafter
-from specdraft.eval.runner import PositionalKVCache, TargetOutput, decoder_features
+from specdraft.eval.runner import TargetOutput, decoder_features
 from specdraft.eval.sampling import Sampling
 
 
@@ -73,11 +74,7 @@ class BatchRunner:
 
     def reserve(self, rows: int, length: int) -> None:
         """Room for ``rows`` sequences of ``length`` tokens (prompt + new tokens + tree depth)."""
-        storage = self.cache.storage
-        if rows > storage.shape[2]:
-            storage = storage.new_zeros(*storage.shape[:2], rows, *storage.shape[3:])
-            self.cache.storage = storage
-        self.cache.batch = rows
+        self.cache.reserve_rows(rows)
         self.cache.reserve(length)
 
     def _forward(self, tokens: Tensor, depths: Tensor, visible: Tensor) -> tuple[Tensor, Tensor | None]:

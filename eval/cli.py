@@ -22,6 +22,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError
 
+from specdraft.data.attention import GROUPED_QUERY_ATTENTION, use_grouped_query_attention
 from specdraft.data.chat import assistant_token_counts, tokenize_conversations
 from specdraft.data.conversations import split_conversations
 from specdraft.data.packed_linear import PackedLinear, pack_linear_weights
@@ -40,7 +41,6 @@ from specdraft.eval.bench import run_batch_benchmark, run_benchmark
 from specdraft.eval.decode import Typical
 from specdraft.eval.drafters import Drafter, TreeShape
 from specdraft.eval.graphs import resolve_graphs
-from specdraft.eval.kernels import GROUPED_QUERY_ATTENTION, use_grouped_query_attention
 from specdraft.eval.load import load_head
 from specdraft.eval.methods import Method, ShapeChooser, build_method, tree_shape
 from specdraft.eval.runner import TargetRunner

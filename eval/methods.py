@@ -35,24 +35,20 @@ from specdraft.eval.autoshape import PLAIN, ShapeChoice
 from specdraft.eval.baselines import hf_generate
 from specdraft.eval.batch import BatchRunner, plain_generate_batch, speculative_generate_batch
 from specdraft.eval.decode import Generation, Typical, plain_generate, speculative_generate
-from specdraft.eval.drafters import (
-    Chain,
-    Drafter,
-    DraftModelDrafter,
-    DynamicTree,
-    StaticTree,
-    TreeShape,
-    drafter_for_head,
-)
+from specdraft.eval.draft_model import DraftModelDrafter
+from specdraft.eval.drafters import Chain, Drafter, DynamicTree, StaticTree, TreeShape
+from specdraft.eval.feature_drafter import FeatureHeadDrafter
 from specdraft.eval.lookahead import Lookahead, LookaheadDrafter
+from specdraft.eval.medusa_drafter import MedusaDrafter
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.trees import best_static_tree
+from specdraft.heads.eagle import FeatureHead
+from specdraft.heads.medusa import MedusaHead
 
 Generate = Callable[[Tensor, Sampling, int], Generation]
 # (prompts, sampling, one seed per prompt) -> one Generation per prompt, decoded together.
 GenerateBatch = Callable[[Sequence[Tensor], Sampling, Sequence[int]], list[Generation]]
-METHOD_TYPES = ("plain", "head", "draft_model", "lookahead", "hf")
 AUTO = "auto"
 # (method name, its runner, a drafter for a shape, candidate shape configs or None for the
 # defaults) -> the choice; specdraft-bench's chooser calibrates, probes and records it.
@@ -109,6 +105,211 @@ def method_shortlist(name: str, setting: Any, shortlist: Callable[..., Tensor | 
     )
 
 
+@dataclass(frozen=True)
+class MethodContext:
+    """What every method of a run is built from (:func:`build_method`'s arguments), and the
+    decode functions the builders share."""
+
+    target: Target
+    heads: Callable[[str], nn.Module]
+    draft_model: Callable[[], nn.Module]
+    shortlist: Callable[..., Tensor | None]
+    eos_ids: tuple[int, ...]
+    max_new_tokens: int
+    typical: Typical
+    choose_shape: ShapeChooser | None
+    compile: bool
+    graphs: bool
+
+    def runner(self, aux_layer_ids: Sequence[int] = ()) -> TargetRunner:
+        return TargetRunner(self.target, aux_layer_ids, compile=self.compile, graphs=self.graphs)
+
+    def generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(self.target.device).manual_seed(seed)  # where the logits are
+
+    def speculative(
+        self, make_drafter: Callable[[], Drafter], runner: TargetRunner, typical: Typical | None = None
+    ) -> Generate:
+        """Our decode loop on ``runner`` with one drafter (made now)."""
+        drafter = make_drafter()
+
+        def generate(prompt_ids: Tensor, sampling: Sampling, seed: int) -> Generation:
+            return speculative_generate(
+                runner,
+                drafter,
+                prompt_ids,
+                self.max_new_tokens,
+                sampling,
+                self.eos_ids,
+                self.generator(seed),
+                typical,
+            )
+
+        return generate
+
+    def plain(self, runner: TargetRunner) -> Generate:
+        """Token-by-token decoding on ``runner``."""
+
+        def generate(prompt_ids: Tensor, sampling: Sampling, seed: int) -> Generation:
+            generator = self.generator(seed)
+            return plain_generate(runner, prompt_ids, self.max_new_tokens, sampling, self.eos_ids, generator)
+
+        return generate
+
+    def speculative_batches(
+        self,
+        make_drafter: Callable[[], Drafter],
+        aux_layer_ids: Sequence[int] = (),
+        typical: Typical | None = None,
+    ) -> GenerateBatch:
+        """Batched decoding with one drafter per row (made as the batches grow)."""
+        runner, drafters = BatchRunner(self.target, aux_layer_ids), []
+
+        def generate_batch(prompts: Sequence[Tensor], sampling: Sampling, seeds: Sequence[int]):
+            drafters.extend(make_drafter() for _ in range(len(prompts) - len(drafters)))
+            generators = [self.generator(seed) for seed in seeds]
+            return speculative_generate_batch(
+                runner,
+                drafters[: len(prompts)],
+                prompts,
+                self.max_new_tokens,
+                sampling,
+                self.eos_ids,
+                generators,
+                typical,
+            )
+
+        return generate_batch
+
+    def plain_batches(self) -> GenerateBatch:
+        """Token-by-token decoding of B prompts together."""
+        runner = BatchRunner(self.target)
+
+        def generate_batch(prompts: Sequence[Tensor], sampling: Sampling, seeds: Sequence[int]):
+            generators = [self.generator(seed) for seed in seeds]
+            return plain_generate_batch(
+                runner, prompts, self.max_new_tokens, sampling, self.eos_ids, generators
+            )
+
+        return generate_batch
+
+
+def drafter_for_head(
+    head: nn.Module,
+    shape: TreeShape,
+    vocab_shortlist: Tensor | None = None,
+    compile: bool = False,
+    graphs: bool = False,
+) -> Drafter:
+    """The drafter of a trained head — the one place that maps a head's kind to how it drafts:
+    feature heads autoregressively (a shortlist applies to EAGLE-1/2), Medusa heads in parallel
+    (a shortlist is ignored: its heads rank their own vocabulary). ``graphs``: CUDA graphs for the
+    drafters whose steps have static shapes."""
+    if isinstance(head, FeatureHead):
+        return FeatureHeadDrafter(
+            head, shape, vocab_shortlist=vocab_shortlist, compile=compile, graphs=graphs
+        )
+    if isinstance(head, MedusaHead):
+        return MedusaDrafter(head, shape, compile=compile)
+    raise ValueError(f"no drafter for a {type(head).__name__}")
+
+
+def _plain_method(name: str, config: Mapping[str, Any], run: MethodContext) -> Method:
+    return Method(name, "plain", run.plain(run.runner()), generate_batch=run.plain_batches())
+
+
+def _head_method(name: str, config: Mapping[str, Any], run: MethodContext) -> Method:
+    """A trained head in our decode loop; ``shape: auto`` is resolved here (to plain decoding
+    when no shape pays on this machine)."""
+    head = run.heads(config["checkpoint"])
+    use_typical = bool(config.get("typical", False))
+    aux_layer_ids = head.target_taps
+    runner = run.runner(aux_layer_ids)
+    words = method_shortlist(name, config.get("shortlist", False), run.shortlist)
+
+    def drafter_for(shape: TreeShape) -> Drafter:
+        return drafter_for_head(head, shape, words, compile=run.compile, graphs=run.graphs)
+
+    shape_config, details = dict(config["shape"]), {}
+    if shape_config.get("kind") == AUTO:
+        if run.choose_shape is None:
+            raise ValueError(f"method {name}: shape auto needs a shape chooser (specdraft-bench has one)")
+        choice = run.choose_shape(name, runner, drafter_for, shape_config.get("candidates"))
+        details = {"auto_shape": choice.record()}
+        if choice.shape["kind"] == PLAIN:  # no shape pays on this machine
+            return Method(
+                name, "head", run.plain(runner), details=details, generate_batch=run.plain_batches()
+            )
+        shape_config = dict(choice.shape)
+    shape = tree_shape(shape_config)
+    typical = run.typical if use_typical else None
+    generate = run.speculative(lambda: drafter_for(shape), runner, typical)
+    batches = run.speculative_batches(lambda: drafter_for(shape), aux_layer_ids, typical)
+    return Method(name, "head", generate, not use_typical, details, batches)
+
+
+def _draft_model_method(name: str, config: Mapping[str, Any], run: MethodContext) -> Method:
+    if "depth" not in config:  # its default lives in conf/methods (all.yaml)
+        raise ValueError(f"method {name}: draft_model needs depth (drafts per step)")
+    shape = Chain(depth=int(config["depth"]), threshold=config.get("threshold"))
+    model = run.draft_model()
+    drafter = lambda: DraftModelDrafter(model, shape, compile=run.compile)  # noqa: E731
+    return Method(
+        name,
+        "draft_model",
+        run.speculative(drafter, run.runner()),
+        generate_batch=run.speculative_batches(drafter),
+    )
+
+
+def _lookahead_method(name: str, config: Mapping[str, Any], run: MethodContext) -> Method:
+    keys = ("window", "ngram", "guesses", "pool_per_token")
+    missing = [key for key in keys if key not in config]
+    if missing:
+        raise ValueError(f"method {name}: lookahead needs {list(keys)}; missing {missing}")
+    settings = Lookahead(**{key: int(config[key]) for key in keys})
+    drafter = lambda: LookaheadDrafter(settings)  # noqa: E731
+    generate = run.speculative(drafter, run.runner())
+    details = {"lookahead": dataclasses.asdict(settings)}
+    return Method(
+        name, "lookahead", generate, details=details, generate_batch=run.speculative_batches(drafter)
+    )
+
+
+def _hf_method(name: str, config: Mapping[str, Any], run: MethodContext) -> Method:
+    """HF ``generate``: plain, prompt lookup or assisted (batch 1 only)."""
+    prompt_lookup = config.get("prompt_lookup_tokens")
+    assistant = run.draft_model() if config.get("assisted", False) else None
+    if assistant is not None and prompt_lookup is not None:
+        raise ValueError(f"method {name}: choose prompt_lookup_tokens or assisted, not both")
+
+    def hf(prompt_ids: Tensor, sampling: Sampling, seed: int) -> Generation:
+        return hf_generate(
+            run.target,
+            prompt_ids,
+            run.max_new_tokens,
+            sampling,
+            run.eos_ids,
+            seed,
+            prompt_lookup,
+            assistant,
+            config.get("assistant_tokens"),
+        )
+
+    return Method(name, "hf", hf)
+
+
+# method type -> its builder (name, config, the run's context) -> Method
+METHOD_BUILDERS: dict[str, Callable[[str, Mapping[str, Any], MethodContext], Method]] = {
+    "plain": _plain_method,
+    "head": _head_method,
+    "draft_model": _draft_model_method,
+    "lookahead": _lookahead_method,
+    "hf": _hf_method,
+}
+METHOD_TYPES = tuple(METHOD_BUILDERS)
+
+
 def build_method(
     name: str,
     config: Mapping[str, Any],
@@ -123,7 +324,8 @@ def build_method(
     compile: bool = False,
     graphs: bool = False,
 ) -> Method:
-    """``heads(checkpoint)``, ``draft_model()`` and ``shortlist()`` / ``shortlist(size)`` (the run's
+    """The method ``config`` describes, by its type's builder (:data:`METHOD_BUILDERS`).
+    ``heads(checkpoint)``, ``draft_model()`` and ``shortlist()`` / ``shortlist(size)`` (the run's
     size / another one) load lazily (and cache);
     ``choose_shape`` resolves ``shape: {kind: auto}``; ``compile``: the target's and the
     drafters' steps through ``torch.compile`` (not the HF baselines); ``graphs``: the target's
@@ -131,123 +333,12 @@ def build_method(
     a method's own ``graphs: true|false`` overrides it (e.g. eager plain decoding next to the
     graphed one, in the same interleaved run)."""
     kind = config.get("type")
-    if kind not in METHOD_TYPES:
+    if kind not in METHOD_BUILDERS:
         raise ValueError(f"method {name}: type must be one of {METHOD_TYPES}, got {kind!r}")
     graphs = config.get("graphs", graphs)
     if not isinstance(graphs, bool):
         raise ValueError(f"method {name}: graphs must be true or false, got {graphs!r}")
-
-    def decode_with(make_drafter: Callable[[], Drafter], runner: TargetRunner, typical_rule=None) -> Generate:
-        drafter = make_drafter()
-
-        def generate(prompt_ids: Tensor, sampling: Sampling, seed: int) -> Generation:
-            generator = torch.Generator(target.device).manual_seed(seed)  # where the logits are
-            return speculative_generate(
-                runner, drafter, prompt_ids, max_new_tokens, sampling, eos_ids, generator, typical_rule
-            )
-
-        return generate
-
-    def plain_on(runner: TargetRunner) -> Generate:
-        def plain(prompt_ids: Tensor, sampling: Sampling, seed: int) -> Generation:
-            generator = torch.Generator(target.device).manual_seed(seed)
-            return plain_generate(runner, prompt_ids, max_new_tokens, sampling, eos_ids, generator)
-
-        return plain
-
-    def generators(seeds: Sequence[int]) -> list[torch.Generator]:
-        return [torch.Generator(target.device).manual_seed(seed) for seed in seeds]
-
-    def batches_with(
-        make_drafter: Callable[[], Drafter], aux_layer_ids=(), typical_rule=None
-    ) -> GenerateBatch:
-        """Batched decoding with one drafter per row (made as the batches grow)."""
-        runner, drafters = BatchRunner(target, aux_layer_ids), []
-
-        def generate_batch(prompts: Sequence[Tensor], sampling: Sampling, seeds: Sequence[int]):
-            drafters.extend(make_drafter() for _ in range(len(prompts) - len(drafters)))
-            return speculative_generate_batch(
-                runner,
-                drafters[: len(prompts)],
-                prompts,
-                max_new_tokens,
-                sampling,
-                eos_ids,
-                generators(seeds),
-                typical_rule,
-            )
-
-        return generate_batch
-
-    def plain_batches() -> GenerateBatch:
-        runner = BatchRunner(target)
-
-        def generate_batch(prompts: Sequence[Tensor], sampling: Sampling, seeds: Sequence[int]):
-            return plain_generate_batch(runner, prompts, max_new_tokens, sampling, eos_ids, generators(seeds))
-
-        return generate_batch
-
-    if kind == "plain":
-        runner = TargetRunner(target, compile=compile, graphs=graphs)
-        return Method(name, kind, plain_on(runner), generate_batch=plain_batches())
-    if kind == "head":
-        head = heads(config["checkpoint"])
-        use_typical = bool(config.get("typical", False))
-        aux_layer_ids = head.target_taps
-        runner = TargetRunner(target, aux_layer_ids, compile=compile, graphs=graphs)
-        words = method_shortlist(name, config.get("shortlist", False), shortlist)
-        drafter_for: Callable[[TreeShape], Drafter] = lambda shape: drafter_for_head(  # noqa: E731
-            head, shape, words, compile=compile, graphs=graphs
-        )
-        shape_config, details = dict(config["shape"]), {}
-        if shape_config.get("kind") == AUTO:
-            if choose_shape is None:
-                raise ValueError(f"method {name}: shape auto needs a shape chooser (specdraft-bench has one)")
-            choice = choose_shape(name, runner, drafter_for, shape_config.get("candidates"))
-            details = {"auto_shape": choice.record()}
-            if choice.shape["kind"] == PLAIN:  # no shape pays on this machine
-                return Method(name, kind, plain_on(runner), details=details, generate_batch=plain_batches())
-            shape_config = dict(choice.shape)
-        shape = tree_shape(shape_config)
-        typical_rule = typical if use_typical else None
-        generate = decode_with(lambda: drafter_for(shape), runner, typical_rule)
-        batches = batches_with(lambda: drafter_for(shape), aux_layer_ids, typical_rule)
-        return Method(name, kind, generate, not use_typical, details, batches)
-    if kind == "draft_model":
-        if "depth" not in config:  # its default lives in conf/methods (all.yaml)
-            raise ValueError(f"method {name}: draft_model needs depth (drafts per step)")
-        shape = Chain(depth=int(config["depth"]), threshold=config.get("threshold"))
-        model = draft_model()
-        drafter = lambda: DraftModelDrafter(model, shape, compile=compile)  # noqa: E731
-        generate = decode_with(drafter, TargetRunner(target, compile=compile, graphs=graphs))
-        return Method(name, kind, generate, generate_batch=batches_with(drafter))
-    if kind == "lookahead":
-        keys = ("window", "ngram", "guesses", "pool_per_token")
-        missing = [key for key in keys if key not in config]
-        if missing:
-            raise ValueError(f"method {name}: lookahead needs {list(keys)}; missing {missing}")
-        settings = Lookahead(**{key: int(config[key]) for key in keys})
-        drafter = lambda: LookaheadDrafter(settings)  # noqa: E731
-        generate = decode_with(drafter, TargetRunner(target, compile=compile, graphs=graphs))
-        details = {"lookahead": dataclasses.asdict(settings)}
-        return Method(name, kind, generate, details=details, generate_batch=batches_with(drafter))
-    # HF generate
-    prompt_lookup = config.get("prompt_lookup_tokens")
-    assistant = draft_model() if config.get("assisted", False) else None
-    if assistant is not None and prompt_lookup is not None:
-        raise ValueError(f"method {name}: choose prompt_lookup_tokens or assisted, not both")
-
-    def hf(prompt_ids: Tensor, sampling: Sampling, seed: int) -> Generation:
-        return hf_generate(
-            target,
-            prompt_ids,
-            max_new_tokens,
-            sampling,
-            eos_ids,
-            seed,
-            prompt_lookup,
-            assistant,
-            config.get("assistant_tokens"),
-        )
-
-    return Method(name, kind, hf)
+    run = MethodContext(
+        target, heads, draft_model, shortlist, eos_ids, max_new_tokens, typical, choose_shape, compile, graphs
+    )
+    return METHOD_BUILDERS[kind](name, config, run)

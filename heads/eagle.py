@@ -76,7 +76,7 @@ class FeatureHead(DraftHead):
     step / logits API. Subclasses define the level-1 features and the attention input. By default
     a head drafts through the target's frozen lm_head over the target vocabulary (EAGLE-1/2); a
     head with a vocabulary of its own (EAGLE-3) overrides the logits and vocabulary methods.
-    Every feature head drafts with ``specdraft.eval.drafters.FeatureHeadDrafter``."""
+    Every feature head drafts with ``specdraft.eval.feature_drafter.FeatureHeadDrafter``."""
 
     def __init__(self, spec: TargetSpec, weights: TargetWeights, attention_input_size: int) -> None:
         super().__init__(spec, weights)

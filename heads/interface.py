@@ -12,7 +12,7 @@ it. What the rest of specdraft asks of a head:
   ``parallel_steps`` says whether the number of draft steps is the head's (Medusa's K heads) or
   the objective's choice (an autoregressive head rolls out as many steps as it is asked);
 * decoding: ``target_taps`` (the target layers a runner must capture for it); how it drafts is its
-  family's drafter (``specdraft.eval.drafters.drafter_for_head``).
+  family's drafter (``specdraft.eval.methods.drafter_for_head``).
 """
 
 from __future__ import annotations

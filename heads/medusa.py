@@ -55,7 +55,7 @@ class ResBlock(nn.Module):
 
 class MedusaHead(DraftHead):
     """``forward(hidden ...×H) -> logits K×...×V``; head k predicts the token k+2 positions ahead.
-    Drafts with ``specdraft.eval.drafters.MedusaDrafter``."""
+    Drafts with ``specdraft.eval.medusa_drafter.MedusaDrafter``."""
 
     kind = "medusa"
     config_class = MedusaConfig

@@ -26,6 +26,7 @@ import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from specdraft.data.attention import use_grouped_query_attention
 from specdraft.data.cache import StoredFields, write_cache
 from specdraft.data.capture import FeatureCapture
 from specdraft.data.chat import TokenizedConversation, tokenize_conversations
@@ -36,7 +37,6 @@ from specdraft.data.packed_linear import pack_linear_weights
 from specdraft.data.regen import AutoBatch, GenerationSettings, TargetResponder, resolve_batch_size
 from specdraft.data.target import Target
 from specdraft.eval.autoshape import VerifyLatency, probe_verify_latency
-from specdraft.eval.kernels import use_grouped_query_attention
 from specdraft.eval.runner import TargetRunner
 from specdraft.system.hardware import resolve_precision
 from specdraft.train.cli import build_objective, build_training_head, features_for_objective

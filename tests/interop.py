@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 
 from specdraft.data.target import Target
 from specdraft.eval.decode import Generation, speculative_generate
-from specdraft.eval.drafters import Chain, FeatureHeadDrafter
+from specdraft.eval.drafters import Chain
+from specdraft.eval.feature_drafter import FeatureHeadDrafter
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
 from specdraft.heads.eagle import FeatureHead

@@ -24,7 +24,8 @@ from specdraft.eval.autoshape import (
     simulate,
 )
 from specdraft.eval.decode import Typical, plain_generate, speculative_generate
-from specdraft.eval.drafters import Chain, Draft, DynamicTree, FeatureHeadDrafter
+from specdraft.eval.drafters import Chain, Draft, DynamicTree
+from specdraft.eval.feature_drafter import FeatureHeadDrafter
 from specdraft.eval.methods import build_method, tree_shape
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling

@@ -416,7 +416,8 @@ def test_a_head_trained_by_specdraft_train_decodes_losslessly(tmp_path):
     from hydra.utils import instantiate
 
     from specdraft.eval.decode import plain_generate, speculative_generate
-    from specdraft.eval.drafters import DynamicTree, FeatureHeadDrafter
+    from specdraft.eval.drafters import DynamicTree
+    from specdraft.eval.feature_drafter import FeatureHeadDrafter
     from specdraft.eval.runner import TargetRunner
     from specdraft.eval.sampling import Sampling
     from specdraft.train.cli import train
@@ -445,7 +446,8 @@ def test_a_head_trained_by_specdraft_train_decodes_losslessly(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_greedy_speculative_equals_plain_on_cuda():
     from specdraft.eval.decode import plain_generate, speculative_generate
-    from specdraft.eval.drafters import DynamicTree, FeatureHeadDrafter
+    from specdraft.eval.drafters import DynamicTree
+    from specdraft.eval.feature_drafter import FeatureHeadDrafter
     from specdraft.eval.runner import TargetRunner
     from specdraft.eval.sampling import Sampling
 
@@ -469,7 +471,8 @@ def test_cuda_graph_replays_decode_exactly_like_eager_steps(shape):
     tokens, for plain decoding and for every tree shape of a feature head (chains and dynamic
     trees as greedy rounds on the device)."""
     from specdraft.eval.decode import plain_generate, speculative_generate
-    from specdraft.eval.drafters import Chain, DynamicTree, FeatureHeadDrafter, StaticTree
+    from specdraft.eval.drafters import Chain, DynamicTree, StaticTree
+    from specdraft.eval.feature_drafter import FeatureHeadDrafter
     from specdraft.eval.runner import TargetRunner
     from specdraft.eval.sampling import Sampling
 

@@ -21,14 +21,10 @@ from specdraft.data.features import TokenBatch, extract_features
 from specdraft.data.target import target_weights
 from specdraft.data.tiny import tiny_random_target
 from specdraft.eval.decode import Typical, plain_generate, speculative_generate
-from specdraft.eval.drafters import (
-    Chain,
-    DraftModelDrafter,
-    DynamicTree,
-    FeatureHeadDrafter,
-    MedusaDrafter,
-    StaticTree,
-)
+from specdraft.eval.draft_model import DraftModelDrafter
+from specdraft.eval.drafters import Chain, DynamicTree, StaticTree
+from specdraft.eval.feature_drafter import FeatureHeadDrafter
+from specdraft.eval.medusa_drafter import MedusaDrafter
 from specdraft.eval.methods import build_method, method_shortlist
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling

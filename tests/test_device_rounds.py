@@ -21,7 +21,8 @@ from test_decode import GREEDY, MAX_NEW, prompt_ids, random_head, runner_for
 
 from specdraft.eval.acceptance import greedy_accept, greedy_accept_tree
 from specdraft.eval.decode import plain_generate, speculative_generate
-from specdraft.eval.drafters import Chain, Drafter, DynamicTree, FeatureHeadDrafter
+from specdraft.eval.drafters import Chain, Drafter, DynamicTree
+from specdraft.eval.feature_drafter import FeatureHeadDrafter
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.trees import tree_buffers, tree_from_parents
 

@@ -90,5 +90,5 @@ def test_every_section_the_code_cites_exists():
 
 
 def test_a_dangling_name_is_caught():
-    assert resolves("specdraft.heads.rollout.rollout") and resolves("eval.drafters.drafter_for_head")
+    assert resolves("specdraft.heads.rollout.rollout") and resolves("eval.methods.drafter_for_head")
     assert not resolves("specdraft.train.rollout") and not resolves("heads.registry.NO_SUCH_NAME")

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from specdraft.data.target import target_weights
 from specdraft.data.tiny import tiny_random_target
-from specdraft.eval.drafters import Chain, DynamicTree, FeatureHeadDrafter
+from specdraft.eval.drafters import Chain, DynamicTree
+from specdraft.eval.feature_drafter import FeatureHeadDrafter
 from specdraft.eval.load import load_head
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling

@@ -1,5 +1,6 @@
 """data/generate.py: continuously batched greedy answers equal ``generate``'s prompt by prompt
-(through refills, compactions and the KV buffers' resizes); the one-token attention equals SDPA."""
+(through refills, compactions and the KV buffers' resizes); the one-token attention
+(data/attention.py) equals SDPA."""
 
 import itertools
 
@@ -8,7 +9,8 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import specdraft.data.generate as generate
-from specdraft.data.generate import greedy_generate, one_token_attention, slot_attention
+from specdraft.data.attention import SLOT_ATTENTION, grouped_query_attention, slot_attention
+from specdraft.data.generate import greedy_generate
 from specdraft.data.packed_linear import pack_linear_weights
 from specdraft.data.tiny import tiny_random_target
 
@@ -75,8 +77,7 @@ def test_buffers_grow_and_shrink_without_changing_answers(model, monkeypatch):
     def recording_fit(self, needed):
         fit(self, needed)
         assert self.columns % 4 == 0 and needed <= self.columns < needed + 4
-        layers = [layer for layer in self.cache.layers if layer.is_initialized]
-        assert all(layer.key_buffer.shape[2] == self.columns for layer in layers)
+        assert self.cache.capacity == self.columns
         sizes.append(self.columns)
 
     monkeypatch.setattr(generate.Slots, "fit", recording_fit)
@@ -118,7 +119,7 @@ def test_one_token_attention_equals_sdpa(mask_kind):
         "none": None,
     }[mask_kind]
     expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
-    output, _ = one_token_attention(module, query, key, value, mask, scaling=0.3)
+    output, _ = grouped_query_attention(module, query, key, value, mask, scaling=0.3, one_token_products=True)
     assert output.shape == (2, 1, 6, 8)
     torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
 
@@ -126,7 +127,7 @@ def test_one_token_attention_equals_sdpa(mask_kind):
 def test_slot_attention_is_restored(model):
     assert model.config._attn_implementation == "sdpa"
     with slot_attention(model):
-        assert model.config._attn_implementation.startswith(generate.SLOT_ATTENTION)
+        assert model.config._attn_implementation.startswith(SLOT_ATTENTION)
     assert model.config._attn_implementation == "sdpa"
     eager = tiny_random_target(seed=0, attn_implementation="eager").model
     with slot_attention(eager):  # its masks are not SDPA's: left as it is

@@ -13,8 +13,9 @@ from toy_head import ToyConfig, ToyHead
 
 from specdraft.data.target import target_weights
 from specdraft.eval.decode import plain_generate, speculative_generate
-from specdraft.eval.drafters import Chain, DynamicTree, drafter_for_head
+from specdraft.eval.drafters import Chain, DynamicTree
 from specdraft.eval.load import load_head
+from specdraft.eval.methods import drafter_for_head
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
 from specdraft.heads.formats import read_head, write_export

@@ -1,6 +1,7 @@
-"""data/packed_linear.py and eval/kernels.py: pre-packed linear weights give the same outputs,
-keep the module, and fall back to plain PyTorch wherever a gradient is needed; attention on the
-key/value heads gives transformers' SDPA outputs; compiled steps decode the same tokens."""
+"""data/packed_linear.py, data/attention.py and eval/kernels.py: pre-packed linear weights give
+the same outputs, keep the module, and fall back to plain PyTorch wherever a gradient is needed;
+attention on the key/value heads gives transformers' SDPA outputs; compiled steps decode the same
+tokens."""
 
 from __future__ import annotations
 
@@ -8,16 +9,17 @@ import pytest
 import torch
 from torch import nn
 
-from specdraft.data.packed_linear import PackedLinear, pack_linear_weights
-from specdraft.data.target import target_weights
-from specdraft.data.tiny import tiny_random_target
-from specdraft.eval.decode import plain_generate, speculative_generate
-from specdraft.eval.drafters import DynamicTree, FeatureHeadDrafter
-from specdraft.eval.kernels import (
+from specdraft.data.attention import (
     GROUPED_QUERY_ATTENTION,
     grouped_query_attention,
     use_grouped_query_attention,
 )
+from specdraft.data.packed_linear import PackedLinear, pack_linear_weights
+from specdraft.data.target import target_weights
+from specdraft.data.tiny import tiny_random_target
+from specdraft.eval.decode import plain_generate, speculative_generate
+from specdraft.eval.drafters import DynamicTree
+from specdraft.eval.feature_drafter import FeatureHeadDrafter
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.trees import tree_buffers

@@ -116,7 +116,8 @@ def test_speculative_decoding_on_smollm2_equals_plain_greedy(smollm2_fp32):
     an oracle EAGLE chain) equals plain greedy output, through the real 30-layer cache and mask."""
     from specdraft.data.target import target_weights
     from specdraft.eval.decode import plain_generate, speculative_generate
-    from specdraft.eval.drafters import Chain, DynamicTree, FeatureHeadDrafter
+    from specdraft.eval.drafters import Chain, DynamicTree
+    from specdraft.eval.feature_drafter import FeatureHeadDrafter
     from specdraft.eval.runner import TargetRunner
     from specdraft.eval.sampling import Sampling
     from specdraft.heads.registry import build_head
@@ -154,7 +155,8 @@ def test_the_committed_heads_draft_for_smollm2(smollm2_fp32, name):
     it loads for the bundled target, decodes exactly what plain greedy decoding does, and is
     trained (a random head accepts ~nothing; these ~half their first drafts)."""
     from specdraft.eval.decode import plain_generate, speculative_generate
-    from specdraft.eval.drafters import DynamicTree, FeatureHeadDrafter
+    from specdraft.eval.drafters import DynamicTree
+    from specdraft.eval.feature_drafter import FeatureHeadDrafter
     from specdraft.eval.load import load_head
     from specdraft.eval.runner import TargetRunner
     from specdraft.eval.sampling import Sampling
