@@ -19,10 +19,9 @@ restarted writes exactly what an uninterrupted run writes: on restart the output
 the recorded size and the interrupted chunk is generated again. ``<out>.meta.json`` holds the
 settings; a restart with other settings is refused.
 
-Greedy first turns can also keep the target's features as the answers are computed
-(``features``: :class:`~specdraft.data.capture.FeatureCapture` in the generator, written by a
-:class:`~specdraft.data.captured_cache.CapturedCacheWriter` as one shard per chunk before the chunk is
-recorded as done), so that no cache stage runs the target over the same tokens again.
+Greedy first turns can also keep the target's features as they are computed (``features``: a
+:class:`~specdraft.data.capture.FeatureCapture` in the generator; one shard per chunk, written by a
+:class:`~specdraft.data.captured_cache.CapturedCacheWriter` before the chunk is recorded as done).
 """
 
 from __future__ import annotations
