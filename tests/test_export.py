@@ -314,7 +314,7 @@ def test_specdraft_export_from_a_run_dir_then_specdraft_eval_loads_it(target, tm
 def test_specdraft_export_converts_an_export_directory(target, tmp_path):
     """A pretrained head ships as a native export (assets/heads/): it converts to an engine's
     layout like a checkpoint does, weight for weight."""
-    record = trained_record(target, "eagle", {})
+    record = trained_record(target, "eagle", KINDS["eagle"])
     native = write_export(tmp_path / "pretrained", record, "native", target_spec=target.spec)
 
     out = export(compose_export(tmp_path, f"checkpoint={native}", "format=vllm"))
