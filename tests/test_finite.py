@@ -15,12 +15,14 @@ from safetensors.torch import load_file
 from test_cache import samples_for, write
 from test_cli_errors import hydra_args, run_command
 from test_export import save_checkpoint, trained_record
+from test_regen import captured_run
 
 from specdraft.data import cache as cache_module
 from specdraft.data import cache_cli
 from specdraft.data.cache import CacheError, StoredFields, validate_cache
 from specdraft.data.cache_dataset import FeatureCache
 from specdraft.data.captured_cache import CapturedCacheWriter, CapturedSample
+from specdraft.data.regen import TargetResponder
 from specdraft.heads.formats import FormatError, export_files, read_checkpoint, read_export, write_export
 from specdraft.heads.formats.files import write_export_dir
 from specdraft.train import cli as train_cli
@@ -127,6 +129,28 @@ def test_captured_features_that_are_nan_leave_no_shard_in_either_split(tmp_path,
     ):
         writer.write_chunk(0, [sample(i, poisoned=i == 5) for i in range(8)])
     assert not list(dirs["train"].glob("shard-*")) and not list(dirs["heldout"].glob("shard-*"))
+
+
+class NanOnSecondCall(TargetResponder):
+    """Captures NaN features for its second chunk's first answer (a target overflowing there)."""
+
+    calls = 0
+
+    def __call__(self, histories, seed):
+        answers = super().__call__(histories, seed)
+        self.calls += 1
+        if self.calls == 2:
+            self.captured[0][2].hidden[-1, 0] = NAN
+        return answers
+
+
+def test_regeneration_with_nan_features_records_nothing_of_that_chunk(tmp_path):
+    with pytest.raises(CacheError, match=r"features for shard-00001 are not finite \(NaN/Inf in hidden"):
+        captured_run(tmp_path, "run", NanOnSecondCall)
+    records = (tmp_path / "run.jsonl").read_text().splitlines()
+    assert len(records) == 2  # chunk 0 only: chunk 1 was not recorded as answered
+    for split in ("train", "heldout"):
+        assert not list((tmp_path / "run" / split).glob("shard-00001*"))
 
 
 def test_a_poisoned_shard_on_disk_is_named_when_validated_and_read(
