@@ -22,6 +22,7 @@ from specdraft.data import cache_cli
 from specdraft.data.cache import CacheError, StoredFields, validate_cache
 from specdraft.data.cache_dataset import FeatureCache
 from specdraft.data.captured_cache import CapturedCacheWriter, CapturedSample
+from specdraft.data.conversations import is_heldout
 from specdraft.data.regen import TargetResponder
 from specdraft.heads.formats import FormatError, export_files, read_checkpoint, read_export, write_export
 from specdraft.heads.formats.files import write_export_dir
@@ -124,6 +125,7 @@ def test_captured_features_that_are_nan_leave_no_shard_in_either_split(tmp_path,
             hidden[3, 7] = float("inf")
         return CapturedSample(f"c{index}", list(range(5)), [0, 0, 1, 1, 1], SimpleNamespace(hidden=hidden))
 
+    assert is_heldout("c5", 0.5, 0)  # the split written second: both are checked before either is written
     with pytest.raises(
         CacheError, match=r"shard-00000 are not finite \(NaN/Inf in hidden, token 3 of sample \d+ \('c5'\)"
     ):
