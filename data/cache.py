@@ -28,6 +28,11 @@ files as an uninterrupted run. Ranks split the shards round-robin (shard i → r
 whichever rank finds every shard done writes the manifest (re-running any rank, or
 ``mode=validate``, also does).
 
+Numbers that cannot be trusted are refused (docs/architecture.md §2): a shard whose features hold
+a NaN or an Inf is not written (:func:`refuse_nonfinite_features`, naming the sample), and a
+finished one that holds them is named by ``mode=validate`` and refused when read
+(:func:`check_finite_shard`), before a head trains into NaN weights.
+
 Features of one sequence depend, at rounding level, on the other sequences in its batch (matmul
 blocking follows the batch shape; measured on the tiny target: fp32 ≤ 6e-7, bf16 ≤ 1.6e-2 max abs
 difference). "Cached == online" therefore holds bit for bit for the same batches.
@@ -38,7 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +57,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specdraft.data.chat import TokenizedConversation
 from specdraft.data.features import collate, extract_features, length_batches, pad_token_id
+from specdraft.data.finite import nonfinite_feature
 from specdraft.data.target import Target
 from specdraft.system.files import (
     SettingsMismatch,
@@ -64,6 +70,7 @@ from specdraft.system.files import (
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT_VERSION = 1
+FLOAT_FIELDS = ("hidden", "aux", "topk_probs")  # the stored tensors that must hold finite numbers
 
 
 class CacheError(ValueError):
@@ -190,6 +197,7 @@ def write_cache(
             start, end = shard_ranges[index]
             shard_samples = samples[start:end]
             tensors = compute_shard(target, shard_samples, fields, batch_tokens, bar.update)
+            refuse_nonfinite_features(out_dir, plan["shards"][index]["name"], tensors, shard_samples)
             write_shard(out_dir, plan["shards"][index]["name"], tensors, shard_samples)
     return finalize_manifest(out_dir)
 
@@ -272,6 +280,7 @@ def validate_cache(out_dir: str | Path) -> dict[str, Any]:
             _check_checksum(path, shard)
             with safe_open(str(path), "pt") as handle:
                 _check_shapes(handle, shard, manifest["fields"], hidden_size)
+                check_finite_shard(handle, path, shard)
         except (CacheError, OSError) as error:
             problems.append(str(error))
     if problems:
@@ -315,6 +324,48 @@ def sidecar_if_done(out_dir: Path, name: str) -> dict[str, Any] | None:
         return None
     sidecar = read_json(sidecar_path)
     return sidecar if shard_path.stat().st_size == sidecar["bytes"] else None
+
+
+def refuse_nonfinite_features(
+    out_dir: Path, name: str, tensors: dict[str, Tensor], samples: Sequence[Any]
+) -> None:
+    """Refuse to write shard ``name`` of ``out_dir`` when the features the target gave for its
+    ``samples`` (anything with an ``id``) hold a NaN or an Inf: a head trained on them has NaN
+    weights. Called before the shard is written, so nothing of it is recorded as done."""
+    fields = {field: len(tensors[field]) for field in FLOAT_FIELDS if field in tensors}
+    where = nonfinite_feature(
+        lambda field, start, end: tensors[field][start:end],
+        fields,
+        tensors["offsets"].tolist(),
+        [s.id for s in samples],
+    )
+    if where is not None:
+        raise CacheError(
+            f"{out_dir}: the target's features for {name} are not finite (NaN/Inf in {where}); "
+            "nothing of this shard was written (shards written before it are kept): check the "
+            "target's weights and dtype (float16 overflows where bfloat16 does not)"
+        )
+
+
+def check_finite_shard(handle, path: Path, shard: dict[str, Any], skip: Collection[str] = ()) -> None:
+    """Refuse a stored shard (open as ``handle``, described by its manifest entry ``shard``)
+    whose features, those of FLOAT_FIELDS not in ``skip``, hold a NaN or an Inf, naming the file
+    and the first sample concerned."""
+    names = handle.keys()  # safe_open handles are not iterable
+    fields = [field for field in FLOAT_FIELDS if field in names and field not in skip]
+    slices = {field: handle.get_slice(field) for field in fields}
+    where = nonfinite_feature(
+        lambda field, start, end: slices[field][start:end],
+        {field: piece.get_shape()[0] for field, piece in slices.items()},
+        shard["offsets"],
+        shard["sample_ids"],
+    )
+    if where is not None:
+        raise CacheError(
+            f"{path}: the cached features are not finite (NaN/Inf in {where}); a head trained on "
+            "them gets NaN weights: write this cache again (specdraft-cache) from a target whose "
+            "features are finite"
+        )
 
 
 def _check_checksum(path: Path, shard: dict[str, Any]) -> None:

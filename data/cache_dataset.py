@@ -2,7 +2,9 @@
 cache (:class:`FeatureCache`), several as one training mixture (:class:`FeatureCaches`), and
 their samples padded into a :class:`~specdraft.data.features.FeatureBatch`
 (:func:`collate_cached`). A cache is checked when opened against the target, the fields and the
-tokenizer training will use, and its shards against their checksums.
+tokenizer training will use, and its shards against their checksums; a shard whose features
+hold a NaN or an Inf is refused, checked once per process (when the cache is verified, or when
+the shard is first opened).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from specdraft.data.cache import CacheError, StoredFields, read_json, validate_cache
+from specdraft.data.cache import CacheError, StoredFields, check_finite_shard, read_json, validate_cache
 from specdraft.data.features import FeatureBatch
 from specdraft.heads.spec import TargetSpec
 
@@ -26,7 +28,9 @@ class FeatureCache(torch.utils.data.Dataset):
     ``expect`` (the target training will use), ``expect_fields`` and ``expect_tokenizer`` (a
     :func:`~specdraft.data.cache.tokenizer_fingerprint`) are checked against the manifest, and
     every shard's checksum is verified once when the cache is opened (``verify``). Shard files are
-    memory-mapped lazily per process, so the dataset pickles to DataLoader workers.
+    memory-mapped lazily per process, so the dataset pickles to DataLoader workers. Every shard's
+    features are checked finite once: by ``verify`` (which also covers the workers the dataset
+    pickles to), else by each process when it first opens the shard.
     """
 
     def __init__(
@@ -60,6 +64,7 @@ class FeatureCache(torch.utils.data.Dataset):
                 (shard_index, offsets[i], offsets[i + 1]) for i in range(shard["num_samples"])
             ]
         self._handles: dict[int, Any] = {}
+        self._finite = set(range(len(self.manifest["shards"]))) if verify else set()  # checked shards
         # Read only what training asked for: a cache written with more fields serves every head.
         self._skip: set[str] = set()
         self._top_k = None
@@ -109,7 +114,11 @@ class FeatureCache(torch.utils.data.Dataset):
     def _handle(self, shard_index: int):
         if shard_index not in self._handles:
             path = self.dir / f"{self.manifest['shards'][shard_index]['name']}.safetensors"
-            self._handles[shard_index] = safe_open(str(path), "pt")
+            handle = safe_open(str(path), "pt")
+            if shard_index not in self._finite:
+                check_finite_shard(handle, path, self.manifest["shards"][shard_index], self._skip)
+                self._finite.add(shard_index)
+            self._handles[shard_index] = handle
         return self._handles[shard_index]
 
     def __getstate__(self) -> dict[str, Any]:

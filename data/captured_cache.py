@@ -22,6 +22,7 @@ from specdraft.data.cache import (
     CacheError,
     StoredFields,
     finalize_manifest,
+    refuse_nonfinite_features,
     shard_name,
     sidecar_if_done,
     token_hash,
@@ -104,15 +105,20 @@ class CapturedCacheWriter:
                 stale.unlink(missing_ok=True)
 
     def write_chunk(self, chunk_index: int, samples: Sequence[CapturedSample]) -> None:
-        """Shard ``chunk_index`` of both caches, from this chunk's samples (in chunk order)."""
-        for split, directory in self.dirs.items():
+        """Shard ``chunk_index`` of both caches, from this chunk's samples (in chunk order). Both
+        are checked before either is written: features that are not finite leave no shard."""
+        packed = {}
+        for split in self.dirs:
             chosen = [
                 s
                 for s in samples
                 if is_heldout(s.id, self.heldout_fraction, self.split_seed) == (split == "heldout")
             ]
-            tensors = self._pack(chosen)
-            write_shard(directory, shard_name(chunk_index), tensors, chosen)
+            packed[split] = (chosen, self._pack(chosen))
+        for split, (chosen, tensors) in packed.items():
+            refuse_nonfinite_features(self.dirs[split], shard_name(chunk_index), tensors, chosen)
+        for split, (chosen, tensors) in packed.items():
+            write_shard(self.dirs[split], shard_name(chunk_index), tensors, chosen)
 
     def _pack(self, samples: Sequence[CapturedSample]) -> dict[str, Tensor]:
         lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.int64)

@@ -14,6 +14,7 @@ argmax at the supervised positions; simulated τ = 1 + Σ_k Π_{i≤k} acc_i (do
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -59,12 +60,15 @@ class RolloutConfig:
 class ObjectiveOutput:
     """loss: Σ_j w_j · loss_j over the trained steps; terms: "step{j}/{name}" scalars;
     matches / counts: top-1 matches with the target's argmax and supervised positions per
-    evaluated step (sum them over batches before dividing)."""
+    evaluated step (sum them over batches before dividing); nonfinite: the terms whose value is a
+    NaN or an Inf ("step{j}/{name}" → value, in step order; read from the host copy the terms are
+    reported from, so checking it costs no device sync)."""
 
     loss: Tensor
     terms: dict[str, Tensor] = field(default_factory=dict)
     matches: list[int] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
+    nonfinite: dict[str, float] = field(default_factory=dict)
 
     @property
     def accuracy(self) -> list[float]:
@@ -303,11 +307,20 @@ class DraftObjective:
             step_loss = sum(c * v for c, v in zip(coefficients, step_terms, strict=True))
             for name in self.active:
                 output.terms[f"step{j}/{name}"] = fused.terms[j - 1, TERMS.index(name)]
+                _note_nonfinite(output, f"step{j}/{name}", step_terms[TERMS.index(name)])
             feature = feature_terms[j - 1]
             if feature is not None:
                 output.terms[f"step{j}/feature"] = feature.detach()
-                step_loss += self.weights.feature * next(feature_values)
+                value = next(feature_values)
+                _note_nonfinite(output, f"step{j}/feature", value)
+                step_loss += self.weights.feature * value
                 if step_weights[j - 1] > 0:
                     output.loss = output.loss + step_weights[j - 1] * self.weights.feature * feature
             output.terms[f"step{j}/loss"] = torch.tensor(step_loss)
         return output
+
+
+def _note_nonfinite(output: ObjectiveOutput, name: str, value: float) -> None:
+    """Record term ``name`` in ``output.nonfinite`` when its (host) value is a NaN or an Inf."""
+    if not math.isfinite(value):
+        output.nonfinite[name] = value

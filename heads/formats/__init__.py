@@ -14,7 +14,8 @@
 | medusa      | medusa              | vLLM Medusa |
 
 Every export is checked before anything is written: the head must have been trained for the
-target it is exported for (same shapes), and the files must hold exactly the names and shapes
+target it is exported for (same shapes), its weights must be finite (a head read from a
+checkpoint or an export is checked too), and the files must hold exactly the names and shapes
 of the format (engines skip unknown names silently, which costs acceptance, not an error).
 No export carries the target's embedding; only a Medusa head that drafts through the target's
 own lm_head carries that real lm_head, because vLLM's Medusa has no other source for it.
@@ -41,7 +42,13 @@ from specdraft.heads.formats.eagle import (
     eagle_record,
     eagle_shapes,
 )
-from specdraft.heads.formats.files import cast_floats, check_tensors, read_export_dir, write_export_dir
+from specdraft.heads.formats.files import (
+    cast_floats,
+    check_finite,
+    check_tensors,
+    read_export_dir,
+    write_export_dir,
+)
 from specdraft.heads.formats.medusa import medusa_files, medusa_record, medusa_shapes
 from specdraft.heads.formats.native import is_native, native_files, native_record
 from specdraft.heads.formats.record import FormatError, HeadRecord, check_target
@@ -116,7 +123,10 @@ def export_files(
         )
     check_target(record.spec, target_spec, f"export {format}")
     check_tensors(record.state, native_shapes(record), f"the {record.kind} head's weights")
+    check_finite(record.state, f"the {record.kind} head")
     state = cast_floats(record.state, dtype)
+    if dtype is not None:  # values beyond the dtype's range become Inf
+        check_finite(state, f"the {record.kind} head cast to {dtype}")
     record = HeadRecord(record.kind, record.config, record.spec, state, record.provenance)
     weights_dtype = next(t.dtype for t in state.values() if t.is_floating_point())
     dtype_name = str(weights_dtype).removeprefix("torch.")
@@ -246,6 +256,7 @@ def record_from_files(
         raise FormatError(f"unknown export format {format!r}; expected one of {sorted(FORMATS)}")
     check_target(record.spec, target_spec, where)
     check_tensors(record.state, native_shapes(record), where)
+    check_finite(record.state, where)
     return record
 
 
@@ -307,6 +318,7 @@ def read_checkpoint(path: str | os.PathLike) -> HeadRecord:
         for key, value in checkpoint["state_dict"].items()
         if key.startswith(CHECKPOINT_STATE_PREFIX)
     }
+    check_finite(state, str(path))
     provenance = {"checkpoint": str(path.resolve()), "tokens_seen": int(record.get("tokens_seen", 0))}
     spec = TargetSpec.from_dict(record["target_spec"])
     return HeadRecord(record["kind"], dict(record["config"]), spec, state, provenance)

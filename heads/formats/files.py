@@ -94,6 +94,18 @@ def check_tensors(tensors: dict[str, Tensor], expected: dict[str, tuple[int, ...
         raise FormatError(f"{where}: " + "; ".join(parts))
 
 
+def check_finite(tensors: dict[str, Tensor], where: str) -> None:
+    """Refuse weights holding a NaN or an Inf, naming each such tensor with its count: a head
+    trained into NaN (or cast to a dtype its values overflow) drafts garbage, and said plainly
+    here it is not mistaken for an export that "does not read back" (NaN ≠ NaN)."""
+    floats = [(name, t) for name, t in tensors.items() if t.is_floating_point()]
+    counts = torch.stack([(~torch.isfinite(t)).sum() for _, t in floats]).tolist() if floats else []
+    bad = {name: (count, t.numel()) for (name, t), count in zip(floats, counts, strict=True) if count}
+    if bad:
+        shown = ", ".join(f"{name}: {count} of {size}" for name, (count, size) in sorted(bad.items()))
+        raise FormatError(f"{where}: weights that are not finite (NaN/Inf values in {shown})")
+
+
 def cast_floats(tensors: dict[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
     """Floating-point tensors in ``dtype`` (None: unchanged); integer/bool maps untouched."""
     if dtype is None:
