@@ -94,7 +94,11 @@ class CapturedCacheWriter:
                     "features.dir (nothing was changed)"
                 )
             try:
-                check_or_store_settings(directory / "capture.json", {**settings, "cache_split": split})
+                check_or_store_settings(
+                    directory / "capture.json",
+                    {**settings, "cache_split": split},
+                    outputs_exist=any(directory.glob("shard-*")),  # binds once a shard is written
+                )
             except SettingsMismatch as error:
                 raise CacheError(f"{error}\nchoose another features.dir or remove this one") from None
             # A finished cache's manifest is written again by finish(); until then no reader
