@@ -30,6 +30,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+ABSENT = "<absent>"  # a key on one side only
 # How much of a differing value a refusal message shows.
 SHOWN_VALUE_CHARS = 300
 # The settings that may change when a job resumes, in every job (dotted keys, each covering its
@@ -154,16 +155,21 @@ def setting_differences(
 ) -> list[str]:
     """``"key.sub: stored X, now Y"`` for every leaf (mappings are walked, anything else is a
     leaf) that differs between two settings trees, except keys equal to or under an entry of
-    ``may_change``."""
+    ``may_change``. A subtree on one side only is walked too: its leaves are compared with
+    ``<absent>``, so that ``may_change`` can cover some of them."""
     if any(key == allowed or key.startswith(allowed + ".") for allowed in may_change):
         return []
+    if stored == ABSENT and isinstance(current, dict):
+        stored = {}
+    elif current == ABSENT and isinstance(stored, dict):
+        current = {}
     if isinstance(stored, dict) and isinstance(current, dict):
         return [
             line
             for name in sorted(set(stored) | set(current), key=str)
             for line in setting_differences(
-                stored.get(name, "<absent>"),
-                current.get(name, "<absent>"),
+                stored.get(name, ABSENT),
+                current.get(name, ABSENT),
                 may_change,
                 f"{key}.{name}".lstrip("."),
             )
