@@ -50,8 +50,9 @@ class OutputLocked(ValueError):
 
 
 def lock_path(output: str | os.PathLike, part: str = "") -> Path:
-    """The lock file of ``output`` (of its ``part``): a hidden sibling."""
-    output = Path(output)
+    """The lock file of ``output`` (of its ``part``): a hidden sibling (of the normalised path:
+    ``.`` or ``a/..`` name a directory too)."""
+    output = Path(os.path.abspath(output))
     name = f".{output.name}.{part}" if part else f".{output.name}"
     return output.parent / f"{name}{LOCK_SUFFIX}"
 
@@ -71,7 +72,7 @@ def output_lock(output: str | os.PathLike, command: str, part: str = "") -> Iter
 def live_holders(output: str | os.PathLike) -> list[dict[str, Any]]:
     """The holders of every lock on ``output`` (all its parts) held by another live process,
     or by one on another host: who may be writing it beside this process."""
-    output = Path(output)
+    output = Path(os.path.abspath(output))
     found = []
     name = _glob_escape(output.name)
     paths = [*output.parent.glob(f".{name}{LOCK_SUFFIX}"), *output.parent.glob(f".{name}.*{LOCK_SUFFIX}")]

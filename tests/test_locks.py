@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from hydra.core.global_hydra import GlobalHydra
 
 from specdraft.data import cache_cli, regen_cli
 from specdraft.eval import cli as eval_cli
@@ -196,3 +197,32 @@ def test_eval_cache_regen_and_export_refuse_a_held_output_before_writing(tmp_pat
         assert not [path for path in absent if path.exists()], command
         lock.unlink()
     assert sorted(os.listdir(bench)) == [".hydra"]
+
+
+def test_cache_ranks_lock_apart_and_a_live_rank_keeps_the_plan_binding(tmp_path, monkeypatch, capsys):
+    """Rank 1 runs while another process holds rank 0's lock; while that rank lives, a plan
+    without shards yet is not taken over by other settings (it may be writing them)."""
+    other_rank = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    try:
+        cache = tmp_path / "cache"
+        record = {"pid": other_rank.pid, "host": socket.gethostname(), "started": "now", "command": "rank 0"}
+        cache.mkdir()
+        lock_path(cache, "rank-0").write_text(json.dumps(record))
+        args = ["target=tiny_random", "data=tiny", "progress=false", f"out_dir={cache}", "world_size=2"]
+        args += ["shard_tokens=200"]  # several shards: some are rank 1's
+        args += [f"hydra.run.dir={tmp_path / 'hydra'}", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+        (cache / "plan.json").write_text(json.dumps({"num_samples": 1, "shards": []}))  # rank 0's
+        line = run_command(
+            cache_cli.main, "specdraft-cache", *args, "rank=1", monkeypatch=monkeypatch, capsys=capsys
+        )
+        assert "other settings" in line and not list(cache.glob("shard-*"))
+        (cache / "plan.json").unlink()
+        GlobalHydra.instance().clear()
+        monkeypatch.setattr(sys, "argv", ["specdraft-cache", *args, "rank=1"])
+        cache_cli.main()
+        written = [int(p.stem.removeprefix("shard-")) for p in cache.glob("shard-*.json")]
+        assert written and all(index % 2 == 1 for index in written)  # rank 1's shards
+    finally:
+        finish(other_rank)
