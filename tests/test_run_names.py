@@ -1,6 +1,6 @@
 """Run names are single path components (system/names.py): ``run_name=../x`` or ``a/b`` is refused
 with one line and exit 2 before Hydra creates the run directory, in train, bench/eval and the
-quickstart (whose ``name`` is its stages' run name)."""
+quickstart (whose ``name`` is its stages' run name); a sweep's ``sweep_name`` likewise."""
 
 from __future__ import annotations
 
@@ -46,3 +46,11 @@ def test_an_unsafe_run_name_is_refused_before_anything_is_written(
     assert not list(log_dir.iterdir()) and sorted(p.name for p in tmp_path.rglob("*")) == sorted(
         ["work", "outputs", *(["hydra-run"] if hydra_dir else [])]
     )
+
+
+def test_an_unsafe_sweep_name_is_refused_before_the_sweep_dir_is_made(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    args = ["-m", "debug=smoke", "sweep_name=../escaped", "seed=0,1", f"paths.log_dir={tmp_path / 'outputs'}"]
+    line = run_command(train_cli.main, "specdraft-train", *args, monkeypatch=monkeypatch, capsys=capsys)
+    assert "sweep_name='../escaped': expected one directory name" in line
+    assert not list(tmp_path.iterdir())
