@@ -78,7 +78,7 @@ class CapturedCacheWriter:
 
     def start(self) -> None:
         """Claim the directories for these settings (``capture.json``; other settings are refused,
-        nothing touched) and remove the temporary files of a killed run."""
+        nothing touched, once a shard exists) and remove the temporary files of a killed run."""
         settings = {
             "format_version": CACHE_FORMAT_VERSION,
             "target": self.spec.to_dict(),

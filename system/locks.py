@@ -134,7 +134,7 @@ def _read_holder(path: Path) -> dict[str, Any] | None:
         if not isinstance(holder, dict) or any(key not in holder for key in HOLDER_KEYS):
             raise ValueError("keys missing")
         holder["pid"] = int(holder["pid"])
-    except ValueError:
+    except (ValueError, TypeError):
         raise OutputLocked(
             f"{path} is not a lock record of ours (expected JSON with {', '.join(HOLDER_KEYS)}): "
             "remove it once no process writes that output"
