@@ -66,6 +66,7 @@ from specdraft.system.files import (
     write_file_atomic,
     write_json_atomic,
 )
+from specdraft.system.locks import live_holders
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +171,10 @@ def write_cache(
         raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
     out_dir = Path(out_dir)
     plan = cache_plan(target, samples, fields, source, shard_tokens, batch_tokens)
+    # The plan binds once a shard exists, or while another rank (system/locks.py) may write one.
+    written = any(out_dir.glob("shard-*")) or bool(live_holders(out_dir))
     try:
-        check_or_store_settings(out_dir / "plan.json", plan)
+        check_or_store_settings(out_dir / "plan.json", plan, outputs_exist=written)
     except SettingsMismatch as error:
         raise CacheError(f"{error}\nchoose another output directory or remove this one") from None
     mine = [i for i in range(len(plan["shards"])) if i % world_size == rank]

@@ -4,6 +4,9 @@ specdraft-cache                                       # SmolLM2 over bundled Sha
 specdraft-cache limit=200 aux_layers=true top_k=10    # first 200 conversations, EAGLE-3 + HASS fields
 specdraft-cache rank=1 world_size=4                   # this machine's quarter of the shards
 specdraft-cache mode=validate out_dir=outputs/features/…
+
+Each rank holds its own lock on ``out_dir`` (``.<name>.rank-<r>.lock``, system/locks.py): ranks
+of one cache run at once, two runs of one rank are refused.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from specdraft.data.conversations import select_conversations
 from specdraft.data.packed_linear import pack_linear_weights
 from specdraft.system.errors import user_errors
 from specdraft.system.hardware import start
+from specdraft.system.locks import output_lock
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,13 @@ def main(cfg: DictConfig) -> None:
         return
     if cfg.mode != "write":
         raise ValueError(f"mode must be 'write' or 'validate', got {cfg.mode!r}")
+    # One lock per rank: the ranks of one cache run at once, each writing its own shards.
+    with output_lock(cfg.out_dir, "specdraft-cache", part=f"rank-{cfg.rank}"):
+        write(cfg)
+
+
+def write(cfg: DictConfig) -> None:
+    """Compute and write this rank's shards of ``cfg.out_dir`` (its manifest once all exist)."""
     source = instantiate(cfg.data.source)
     data = OmegaConf.to_container(cfg.data, resolve=True)
     conversations, description = select_conversations(source.conversations, data, cfg.split, cfg.limit)

@@ -79,7 +79,7 @@ class CapturedCacheWriter:
 
     def start(self) -> None:
         """Claim the directories for these settings (``capture.json``; other settings are refused,
-        nothing touched) and remove the temporary files of a killed run."""
+        nothing touched, once a shard exists) and remove the temporary files of a killed run."""
         settings = {
             "format_version": CACHE_FORMAT_VERSION,
             "target": self.spec.to_dict(),
@@ -95,7 +95,11 @@ class CapturedCacheWriter:
                     "features.dir (nothing was changed)"
                 )
             try:
-                check_or_store_settings(directory / "capture.json", {**settings, "cache_split": split})
+                check_or_store_settings(
+                    directory / "capture.json",
+                    {**settings, "cache_split": split},
+                    outputs_exist=any(directory.glob("shard-*")),  # binds once a shard is written
+                )
             except SettingsMismatch as error:
                 raise CacheError(f"{error}\nchoose another features.dir or remove this one") from None
             # A finished cache's manifest is written again by finish(); until then no reader

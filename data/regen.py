@@ -17,7 +17,7 @@ with one write + fsync, then ``<out>.progress.json`` records the chunks done and
 they end at. Sampling is seeded per (seed, chunk, turn, batch), so a run killed at any moment and
 restarted writes exactly what an uninterrupted run writes: on restart the output is cut back to
 the recorded size and the interrupted chunk is generated again. ``<out>.meta.json`` holds the
-settings; a restart with other settings is refused.
+settings; a restart with other settings is refused once an answer is written.
 
 Greedy first turns can also keep the target's features as they are computed (``features``: a
 :class:`~specdraft.data.capture.FeatureCapture` in the generator; one shard per chunk, written by a
@@ -379,14 +379,14 @@ def regenerate(
             "heldout_fraction": features.heldout_fraction,
             "split_seed": features.split_seed,
         }
-    try:
-        check_or_store_settings(out_path.with_name(out_path.name + ".meta.json"), header)
+    meta_path, progress_path = (out_path.with_name(f"{out_path.name}.{e}.json") for e in ("meta", "progress"))
+    try:  # the settings bind once a chunk is recorded as done
+        check_or_store_settings(meta_path, header, outputs_exist=progress_path.is_file())
     except SettingsMismatch as error:
         raise ValueError(f"{error}\nchoose another out_path or remove the old output") from None
     if features is not None:
         features.start()
     chunks = [conversations[i : i + chunk_size] for i in range(0, len(conversations), chunk_size)]
-    progress_path = out_path.with_name(out_path.name + ".progress.json")
     position = _resume_point(out_path, progress_path)
 
     report = RegenReport(conversations=len(conversations))

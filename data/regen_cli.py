@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from specdraft.data.regen import (
 from specdraft.system.errors import user_errors
 from specdraft.system.files import write_json_atomic
 from specdraft.system.hardware import start
+from specdraft.system.locks import output_lock
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,14 @@ log = logging.getLogger(__name__)
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="regen")
 @user_errors("specdraft-regen")
 def main(cfg: DictConfig) -> None:
+    # The output and the captured features' directory, each locked (system/locks.py).
+    features = nullcontext() if cfg.features.dir is None else output_lock(cfg.features.dir, "specdraft-regen")
+    with output_lock(cfg.out_path, "specdraft-regen"), features:
+        regen(cfg)
+
+
+def regen(cfg: DictConfig) -> None:
+    """Regenerate (or resume) ``cfg.out_path`` (and its captured features) as configured."""
     start("specdraft-regen", cfg.threads, cfg.target)
     settings = GenerationSettings(**cfg.generation)
     source = instantiate(cfg.data.source)

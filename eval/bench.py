@@ -76,14 +76,16 @@ def prepare_output_dir(
 ) -> set[Hashable]:
     """Create or reopen ``out_dir``; the keys (``unit_key``) of the units already done.
 
-    A reopened directory must hold the same config (``resume: false`` refuses to reopen);
-    a torn last line of records.jsonl (a kill mid-write) is cut off."""
+    A reopened directory that holds records must hold the same config (the resume rule of
+    system/files.py; ``resume: false`` refuses to reopen it); one without records is taken over.
+    A torn last line of records.jsonl (a kill mid-write) is cut off."""
     out_dir.mkdir(parents=True, exist_ok=True)
     config_path, records_path = out_dir / RUN_CONFIG, out_dir / RECORDS
-    if config_path.exists() and not resume:
+    recorded = records_path.is_file() and records_path.stat().st_size > 0
+    if recorded and not resume:
         raise BenchDirError(f"{out_dir} already holds a benchmark run; pass resume=true or a new run_name")
     try:
-        check_or_store_settings(config_path, config)
+        check_or_store_settings(config_path, config, outputs_exist=recorded)
     except SettingsMismatch as error:
         raise BenchDirError(f"{error}\nuse a new run_name") from None
     done: set[Hashable] = set()

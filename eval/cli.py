@@ -50,6 +50,7 @@ from specdraft.heads.vocab import draft_vocab_from_counts
 from specdraft.system.errors import user_errors
 from specdraft.system.files import write_json_atomic
 from specdraft.system.hardware import detect_hardware, start
+from specdraft.system.locks import output_lock
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,12 @@ def _main(cfg: DictConfig, command: str) -> None:
 def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
     """Decodes ``cfg.prompts`` with plain decoding and every method of ``cfg.methods``, interleaved
     per question, at every temperature; returns the report (the batched benchmark's with
-    ``batch_sizes``)."""
+    ``batch_sizes``). Holds the run dir's lock (system/locks.py) throughout."""
+    with output_lock(cfg.paths.output_dir, command):
+        return run_locked(cfg, command)
+
+
+def run_locked(cfg: DictConfig, command: str) -> dict[str, Any]:
     batch_sizes = configured_batch_sizes(cfg)  # checked before anything is loaded
     target = load_target(cfg, command)
     questions = instantiate(cfg.prompts)

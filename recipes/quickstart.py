@@ -37,11 +37,13 @@ from specdraft.recipes.stages import MT_BENCH_CATEGORIES, Stage, run_name, stage
 from specdraft.system.errors import user_errors
 from specdraft.system.files import write_json_atomic
 from specdraft.system.hardware import start
+from specdraft.system.names import check_path_component
 
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="quickstart")
 @user_errors("specdraft-quickstart")
 def main(cfg: DictConfig) -> None:
+    check_path_component(cfg.name, "name")  # the stages' run names, before anything is written
     hardware = start("specdraft-quickstart", cfg.threads).hardware
     if not Path(cfg.eval.mt_bench).is_file():
         print(

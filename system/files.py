@@ -7,9 +7,12 @@ only: ``specdraft.heads`` writes its exports with it.
   torn last line, which :func:`cut_torn_tail` removes on the next start;
 * stored settings: a job writes the settings it runs with next to its outputs; a re-run resumes
   only when they match, else it refuses naming every differing key. ONE rule decides what may
-  differ: the keys a job lists as ``may_change`` — how long or where it runs, never what it
-  computes (a time box, a logger, a progress bar) — each as a dotted key that covers its subkeys.
-  Used by training runs, the benchmark, the feature cache and regeneration.
+  differ: :data:`OUTPUT_NEUTRAL` (how a job runs, never what it computes: a progress bar, threads,
+  a time box, a logger), plus the keys a job lists as ``may_change`` (a training run's length),
+  each a dotted key that covers its subkeys. Stored settings bind only once an output exists: a
+  directory whose stored settings have no outputs yet (a run refused or killed before its first
+  output) is taken over by the next run's settings, with a log line. Used by training runs, the
+  benchmark, the feature cache and regeneration.
 * file checksums.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -24,8 +28,25 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
+
+ABSENT = "<absent>"  # a key on one side only
 # How much of a differing value a refusal message shows.
 SHOWN_VALUE_CHARS = 300
+# The settings that may change when a job resumes, in every job (dotted keys, each covering its
+# subkeys; absent in a job's settings, a key is simply not there): how a job runs, not what it
+# writes. Tokens, features and weights do not depend on them; the benchmark's timings do (threads,
+# warm-up), as they do on the machine's load, which no setting controls.
+OUTPUT_NEUTRAL = (
+    "progress",  # a progress bar
+    "threads",  # torch threads
+    "resume",  # how a re-run treats the outputs, not what they are
+    "warmup",  # the benchmark's untimed warm-up of this invocation
+    "max_minutes",  # a time box limits one invocation
+    "logger",  # where metrics are logged
+    "datamodule.progress",
+    "datamodule.num_workers",
+)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
@@ -134,16 +155,21 @@ def setting_differences(
 ) -> list[str]:
     """``"key.sub: stored X, now Y"`` for every leaf (mappings are walked, anything else is a
     leaf) that differs between two settings trees, except keys equal to or under an entry of
-    ``may_change``."""
+    ``may_change``. A subtree on one side only is walked too: its leaves are compared with
+    ``<absent>``, so that ``may_change`` can cover some of them."""
     if any(key == allowed or key.startswith(allowed + ".") for allowed in may_change):
         return []
+    if stored == ABSENT and isinstance(current, dict):
+        stored = {}
+    elif current == ABSENT and isinstance(stored, dict):
+        current = {}
     if isinstance(stored, dict) and isinstance(current, dict):
         return [
             line
             for name in sorted(set(stored) | set(current), key=str)
             for line in setting_differences(
-                stored.get(name, "<absent>"),
-                current.get(name, "<absent>"),
+                stored.get(name, ABSENT),
+                current.get(name, ABSENT),
                 may_change,
                 f"{key}.{name}".lstrip("."),
             )
@@ -163,21 +189,29 @@ class SettingsMismatch(ValueError):
 
 
 def check_or_store_settings(
-    path: str | os.PathLike, settings: dict[str, Any], may_change: Sequence[str] = ()
+    path: str | os.PathLike,
+    settings: dict[str, Any],
+    may_change: Sequence[str] = (),
+    outputs_exist: bool = True,
 ) -> bool:
-    """The resume rule (module docstring): if ``path`` holds stored settings, raise
-    :class:`SettingsMismatch` naming every key that differs outside ``may_change`` (nothing is
-    touched); if it holds none, store ``settings`` atomically. Whether they were stored before
-    (True: this is a resume)."""
+    """The resume rule (module docstring): if ``path`` holds stored settings and ``outputs_exist``
+    (the job's outputs made with them), raise :class:`SettingsMismatch` naming every key that
+    differs outside :data:`OUTPUT_NEUTRAL` and ``may_change`` (nothing is touched); otherwise store
+    ``settings`` atomically (stored ones without outputs are replaced, with a log line). Whether
+    this is a resume (stored settings that match)."""
     path = Path(path)
     settings = json.loads(json.dumps(settings))  # as it will read back (tuples -> lists, keys -> str)
     if not path.is_file():
         write_json_atomic(path, settings)
         return False
-    differences = setting_differences(json.loads(path.read_text()), settings, may_change)
-    if differences:
+    differences = setting_differences(json.loads(path.read_text()), settings, [*OUTPUT_NEUTRAL, *may_change])
+    if not differences:
+        return True
+    if outputs_exist:
         raise SettingsMismatch(
             f"{path.parent} holds outputs made with other settings (nothing was changed):\n  "
             + "\n  ".join(differences)
         )
-    return True
+    log.info("%s: no outputs made with these settings yet; this run's replace them", path)
+    write_json_atomic(path, settings)
+    return False

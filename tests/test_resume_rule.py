@@ -1,14 +1,21 @@
 """The one resume rule every job follows (system/files.py), and the durable append under it:
 training runs, the benchmark, the feature cache and regeneration all store their settings with
-``check_or_store_settings`` and refuse a re-run naming every differing key."""
+``check_or_store_settings`` and refuse a re-run naming every differing key — once an output
+exists, and never for an output-neutral setting (progress, threads, …)."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
+import torch
+from hydra.core.global_hydra import GlobalHydra
 
+from specdraft.data import cache_cli
+from specdraft.eval import cli as eval_cli
 from specdraft.system.files import (
+    OUTPUT_NEUTRAL,
     SettingsMismatch,
     append_durably,
     check_or_store_settings,
@@ -16,6 +23,8 @@ from specdraft.system.files import (
     setting_differences,
     write_file_atomic,
 )
+from tests.test_bench import save_tiny_checkpoint
+from tests.test_cli_errors import run_command
 
 
 def test_differences_are_dotted_leaves_with_both_values_and_may_change_covers_subkeys():
@@ -72,3 +81,89 @@ def test_a_file_written_through_its_path_replaces_the_old_whole_or_not_at_all(tm
     assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["shard.bin"]
     write_file_atomic(path, lambda staging: staging.write_bytes(b"new"))
     assert path.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["shard.bin"]
+
+
+def test_stored_settings_bind_once_an_output_exists_and_output_neutral_keys_never_do(tmp_path):
+    path = tmp_path / "run" / "settings.json"
+    check_or_store_settings(path, {"steps": 3, "progress": True}, outputs_exist=False)
+    # A run refused before its first output: the next one's settings replace its own.
+    assert check_or_store_settings(path, {"steps": 4, "progress": True}, outputs_exist=False) is False
+    assert json.loads(path.read_text())["steps"] == 4
+    assert {"progress", "threads"} <= set(OUTPUT_NEUTRAL)
+    changed = {"steps": 4, "progress": False, "threads": 2, "datamodule": {"num_workers": 3}}
+    assert check_or_store_settings(path, changed, outputs_exist=True) is True
+    with pytest.raises(SettingsMismatch, match="steps: stored 4, now 5"):
+        check_or_store_settings(path, {"steps": 5, "progress": True}, outputs_exist=True)
+
+
+def run_to_the_end(entry, command: str, *args: str, monkeypatch) -> None:
+    """Run ``entry`` as the console script ``command``; it must not exit (a refusal would)."""
+    GlobalHydra.instance().clear()
+    monkeypatch.setattr(sys, "argv", [command, *args])
+    threads = torch.get_num_threads()
+    try:
+        entry()
+    finally:
+        torch.set_num_threads(threads)  # `threads=` sets the process's
+
+
+def test_a_refused_eval_leaves_nothing_that_blocks_its_corrected_rerun_nor_a_new_progress_or_threads(
+    tmp_path, monkeypatch, capsys
+):
+    """specdraft-eval refused for a bad temperature after its settings were stored; the corrected
+    command runs; re-runs changing only progress, or only threads, resume (no question twice)."""
+    run_dir = tmp_path / "bench" / "eval-tiny"
+    args = [
+        f"checkpoint={save_tiny_checkpoint(tmp_path / 'head.ckpt')}",
+        "target=tiny_random",
+        "prompts=tiny",
+        "shortlist.size=null",
+        "max_new_tokens=3",
+        "progress=false",
+        f"paths.log_dir={tmp_path}",
+        "hydra/job_logging=none",
+        "hydra/hydra_logging=none",
+    ]
+    line = run_command(
+        eval_cli.eval_main,
+        "specdraft-eval",
+        *args,
+        "temperatures=[-1.0]",
+        monkeypatch=monkeypatch,
+        capsys=capsys,
+    )
+    assert "temperature" in line and (run_dir / "run_config.json").is_file()
+    run_to_the_end(eval_cli.eval_main, "specdraft-eval", *args, "temperatures=[0.0]", monkeypatch=monkeypatch)
+    records = (run_dir / "records.jsonl").read_bytes()
+    for change in ("progress=true", "threads=1"):
+        run_to_the_end(
+            eval_cli.eval_main, "specdraft-eval", *args, "temperatures=[0.0]", change, monkeypatch=monkeypatch
+        )
+        assert (run_dir / "records.jsonl").read_bytes() == records  # resumed: nothing to do
+    assert len(records.splitlines()) == 3  # the tiny prompts' 3 questions, once each
+
+
+def test_a_cache_takes_over_settings_without_shards_and_resumes_with_a_new_progress_or_threads(
+    tmp_path, monkeypatch
+):
+    """specdraft-cache: plan.json left by a run refused before its first shard does not block
+    another command; once shards exist, re-runs changing only progress, or only threads, resume."""
+    out_dir = tmp_path / "cache"
+    out_dir.mkdir()
+    (out_dir / "plan.json").write_text(json.dumps({"num_samples": 1, "shards": []}))  # no shard yet
+    args = [
+        "target=tiny_random",
+        "data=tiny",
+        "limit=4",
+        f"out_dir={out_dir}",
+        "progress=false",
+        f"hydra.run.dir={tmp_path / 'hydra'}",
+        "hydra/job_logging=none",
+        "hydra/hydra_logging=none",
+    ]
+    run_to_the_end(cache_cli.main, "specdraft-cache", *args, monkeypatch=monkeypatch)
+    manifest = (out_dir / "manifest.json").read_bytes()
+    assert json.loads(manifest)["num_samples"] == 4
+    for change in ("progress=true", "threads=1"):
+        run_to_the_end(cache_cli.main, "specdraft-cache", *args, change, monkeypatch=monkeypatch)
+        assert (out_dir / "manifest.json").read_bytes() == manifest

@@ -20,6 +20,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +41,13 @@ from specdraft.heads.vocab import draft_vocab_from_counts
 from specdraft.system.errors import user_errors
 from specdraft.system.files import write_json_atomic
 from specdraft.system.hardware import start
+from specdraft.system.locks import output_lock
 from specdraft.train.callbacks import ThroughputMonitor, TrainingDeadline, peak_memory_bytes
 from specdraft.train.loggers import finish_loggers
 from specdraft.train.losses import LossWeights
 from specdraft.train.module import SIM_TAU, DraftHeadModule
 from specdraft.train.objective import DraftObjective, RolloutConfig
-from specdraft.train.run_dir import FINAL_CHECKPOINT, prepare_run_dir
+from specdraft.train.run_dir import FINAL_CHECKPOINT, lead_process, prepare_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,13 @@ def main(cfg: DictConfig) -> None:
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
+    """Train (or resume) the run in ``cfg.paths.output_dir``, holding its lock (system/locks.py;
+    a distributed launcher's other ranks run inside the lead's); the run's summary."""
+    with output_lock(cfg.paths.output_dir, "specdraft-train") if lead_process() else nullcontext():
+        return train_locked(cfg)
+
+
+def train_locked(cfg: DictConfig) -> dict[str, Any]:
     run_dir = Path(cfg.paths.output_dir)
     features_for_objective(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)

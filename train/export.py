@@ -27,6 +27,7 @@ from specdraft.heads.formats import FORMATS, FormatError, read_checkpoint, read_
 from specdraft.heads.formats.files import CONFIG_FILE, check_destination
 from specdraft.system.errors import user_errors
 from specdraft.system.hardware import start
+from specdraft.system.locks import output_lock
 from specdraft.train.run_dir import LAST_CHECKPOINT
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,12 @@ def export(cfg: DictConfig) -> Path:
         if cfg.out
         else Path(cfg.paths.log_dir) / "export" / f"{run_name(checkpoint)}-{cfg.format}"
     )
+    with output_lock(out, "specdraft-export"):  # a sibling lock file: it outlives the rename into `out`
+        return write_locked(cfg, checkpoint, from_export, out)
+
+
+def write_locked(cfg: DictConfig, checkpoint: Path, from_export: bool, out: Path) -> Path:
+    """Export ``checkpoint`` to ``out`` (whose lock this process holds)."""
     # Both checks before the target is loaded: fail in a second, not a minute. An export is read
     # after it, since a foreign layout takes the target's spec.
     check_destination(out, cfg.overwrite)
