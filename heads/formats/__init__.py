@@ -41,7 +41,13 @@ from specdraft.heads.formats.eagle import (
     eagle_record,
     eagle_shapes,
 )
-from specdraft.heads.formats.files import cast_floats, check_tensors, read_export_dir, write_export_dir
+from specdraft.heads.formats.files import (
+    PROVENANCE_KEY,
+    cast_floats,
+    check_tensors,
+    read_export_dir,
+    write_export_dir,
+)
 from specdraft.heads.formats.medusa import medusa_files, medusa_record, medusa_shapes
 from specdraft.heads.formats.native import is_native, native_files, native_record
 from specdraft.heads.formats.record import FormatError, HeadRecord, check_target
@@ -87,7 +93,6 @@ FORMATS = {
     "sglang": Format(("eagle", "eagle3"), "SGLang"),
     "medusa": Format(("medusa",), "vLLM Medusa"),
 }
-PROVENANCE_KEY = "specdraft"  # in foreign configs: which format/kind wrote them (engines ignore it)
 
 
 def export_files(
