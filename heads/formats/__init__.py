@@ -148,7 +148,8 @@ def write_export(
     out_dir: str | os.PathLike, record: HeadRecord, format: str, *, overwrite: bool = False, **options: Any
 ) -> Path:
     """Export ``record`` into ``out_dir`` (config.json + model.safetensors), atomically; options as
-    :func:`export_files`. An existing non-empty ``out_dir`` is replaced only with ``overwrite``."""
+    :func:`export_files`. An existing non-empty ``out_dir`` is replaced only with ``overwrite``,
+    and only when it holds an export specdraft wrote (never a directory of the user's)."""
     config, tensors = export_files(record, format, **options)
     check_round_trip(record, config, tensors, format, options)
     return write_export_dir(out_dir, config, tensors, overwrite=overwrite)
