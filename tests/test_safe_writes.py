@@ -67,11 +67,11 @@ def test_overwrite_replaces_only_an_export_we_wrote(tiny_target, tmp_path):
             write_export(directory, record, "native", target_spec=tiny_target.spec, overwrite=True)
         assert files_of(directory) == before, name
     # Ours, in a foreign layout (its provenance key) or the native one: replaced.
-    for format in ("vllm", "native"):
+    for layout in ("vllm", "native"):
         ours = write_export(
-            tmp_path / f"ours-{format}",
+            tmp_path / f"ours-{layout}",
             trained_record(tiny_target, "eagle", {"fc_bias": False}),
-            format,
+            layout,
             target_spec=tiny_target.spec,
         )
         assert is_our_export_dir(ours)
