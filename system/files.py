@@ -2,7 +2,8 @@
 only: ``specdraft.heads`` writes its exports with it.
 
 * atomic writes: a reader sees the old file or the new one, never half of one; a directory of
-  files (an export) is staged beside its destination and renamed into place whole;
+  files (an export) is staged beside its destination and renamed into place whole, and what a
+  writer killed mid-write left beside it is removed by the next write there (once its pid is dead);
 * durable appends: a line (or chunk) is on disk once the call returns; a kill mid-append leaves a
   torn last line, which :func:`cut_torn_tail` removes on the next start;
 * stored settings: a job writes the settings it runs with next to its outputs; a re-run resumes
@@ -18,13 +19,17 @@ only: ``specdraft.heads`` writes its exports with it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
+import signal
+import socket
 import tempfile
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,28 +82,111 @@ def write_dir_atomic(path: str | os.PathLike, fill: Callable[[Path], object]) ->
     is fsynced, then the staging directory is renamed to ``path``. A directory already at ``path``
     is renamed aside just before and removed once the new one is in place, so a reader (or a
     kill) finds the old directory or the complete new one, never a part of either; ``fill`` may
-    raise to leave ``path`` untouched (the staging is removed)."""
+    raise to leave ``path`` untouched. The staging is removed on every exit this process sees (an
+    exception, Ctrl-C, SIGTERM); what a kill -9 leaves is removed by the next write to ``path``
+    (:func:`remove_dead_leftovers`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.parent / f".{path.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)  # a killed run's leftovers
+    remove_dead_leftovers(path)
+    staging = leftover_path(path, STAGING)
+    shutil.rmtree(staging, ignore_errors=True)  # this pid's, from a killed run that had it before
     staging.mkdir()
+    retired = None
     try:
-        fill(staging)
-        for file in staging.iterdir():
-            fsync_file(file)
-        retired = None
-        if path.exists():
-            retired = path.parent / f".{path.name}.old-{os.getpid()}"
-            os.replace(path, retired)
-        os.replace(staging, path)
-        if retired is not None:
-            shutil.rmtree(retired)
+        with terminate_as_exit():
+            fill(staging)
+            for file in staging.iterdir():
+                fsync_file(file)
+            if path.exists():
+                retired = leftover_path(path, RETIRED)
+                os.replace(path, retired)
+            os.replace(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        if retired is not None and retired.exists() and not path.exists():
+            os.replace(retired, path)  # the old directory back where it was
         raise
+    if retired is not None:
+        shutil.rmtree(retired, ignore_errors=True)  # one left (unremovable) is retried by the next write
     fsync_dir(path.parent)  # make the renames durable
     return path
+
+
+# The hidden siblings a directory write leaves while it runs: ``.<name>.<role>-<host>-<pid>``.
+STAGING, RETIRED = "partial", "old"
+
+
+def leftover_path(path: Path, role: str) -> Path:
+    """This process's staging (``STAGING``) or retired (``RETIRED``) sibling of ``path``."""
+    return path.parent / f".{path.name}.{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def leftover_owner(path: Path, role: str, sibling: str) -> tuple[str | None, int] | None:
+    """(host, pid) of the process that named ``sibling`` a ``role`` sibling of ``path``; None:
+    not one. A name without a host (``.<name>.partial-<pid>``, written before hosts were named)
+    is this host's."""
+    prefix = f".{path.name}.{role}-"
+    if not sibling.startswith(prefix):
+        return None
+    host, _, pid = sibling[len(prefix) :].rpartition("-")
+    return (host or None, int(pid)) if pid.isdigit() else None
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (one of another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_dead_leftovers(path: str | os.PathLike) -> list[Path]:
+    """Remove the staging and retired siblings of ``path`` that processes of this host left when
+    they died (a kill -9 mid-write: their pid is gone), and return them. A retired directory is
+    the previous ``path``: a kill between the two renames left no ``path``, so it is moved back
+    instead. Live processes' siblings, and other hosts', are left alone."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return []
+    host, dead = socket.gethostname(), {STAGING: [], RETIRED: []}
+    for sibling in path.parent.iterdir():
+        for role, found in dead.items():
+            owner = leftover_owner(path, role, sibling.name)
+            if owner is not None and owner[0] in (None, host) and not process_alive(owner[1]):
+                found.append(sibling)
+    retired = sorted(dead[RETIRED], key=lambda p: p.stat().st_mtime)
+    if retired and not path.exists() and not path.is_symlink():
+        os.replace(retired.pop(), path)
+        log.warning("%s: a write killed mid-rename left it aside; moved back", path)
+    for sibling in dead[STAGING] + retired:
+        shutil.rmtree(sibling, ignore_errors=True)
+        log.info("removed %s, left by a process that died while writing %s", sibling, path.name)
+    return dead[STAGING] + retired
+
+
+@contextlib.contextmanager
+def terminate_as_exit() -> Iterator[None]:
+    """SIGTERM (a scheduler's or ``timeout``'s stop) raises ``SystemExit(128 + 15)`` inside the
+    block instead of ending the process at once, so its clean-up runs. Only in the main thread,
+    and only where SIGTERM still has its default action (a handler someone installed stays)."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def fsync_file(path: str | os.PathLike) -> None:

@@ -33,7 +33,7 @@ EXPERIMENTS = ["medusa", "eagle", "eagle3", "hass", "hass_eagle3"]
 
 
 def checkpoint(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -47,7 +48,7 @@ from specdraft.train.loggers import finish_loggers
 from specdraft.train.losses import LossWeights
 from specdraft.train.module import SIM_TAU, DraftHeadModule
 from specdraft.train.objective import DraftObjective, RolloutConfig
-from specdraft.train.run_dir import FINAL_CHECKPOINT, lead_process, prepare_run_dir
+from specdraft.train.run_dir import FINAL_CHECKPOINT, RunDirError, lead_process, prepare_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ def train_locked(cfg: DictConfig) -> dict[str, Any]:
         log.info("resuming from %s", resume_from)
 
     started = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
+    fit_resuming_safely(trainer, module, datamodule, resume_from)
     summary = run_summary(trainer, module, time.perf_counter() - started, resume_from)
     if cfg.validate_at_end:
         # The final weights on the whole validation set (a time-limited run stops between checks).
@@ -293,6 +294,24 @@ def prefer_final_weights(summary: dict[str, Any], run_dir: Path, save: Callable[
     save(path)
     log.info("final weights (simulated tau %.4f, best validation %s) are the best: %s", final, best, path)
     summary["best_sim_tau"], summary["best_checkpoint"] = final, str(path)
+
+
+def fit_resuming_safely(
+    trainer: L.Trainer, module: DraftHeadModule, datamodule: FeatureDataModule, resume_from: str | None
+) -> None:
+    """``trainer.fit``, resuming from ``resume_from`` with ``weights_only=True`` pinned: left
+    unset, torch takes it from the environment (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``), and a
+    ``last.ckpt`` dropped into a run dir would run its code. One that holds anything but tensors
+    and plain data is refused in one line, never with torch's advice to load it unsafely."""
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from, weights_only=True)
+    except pickle.UnpicklingError:
+        if resume_from is None:
+            raise
+        raise RunDirError(
+            f"{resume_from}: not a specdraft checkpoint (it holds objects other than tensors and "
+            "plain data); refused to resume from it, nothing of it was run"
+        ) from None
 
 
 def run_summary(trainer: L.Trainer, module: DraftHeadModule, seconds: float, resumed: str | None) -> dict:

@@ -43,6 +43,7 @@ from specdraft.heads.formats.eagle import (
     eagle_shapes,
 )
 from specdraft.heads.formats.files import (
+    PROVENANCE_KEY,
     cast_floats,
     check_finite,
     check_tensors,
@@ -94,7 +95,6 @@ FORMATS = {
     "sglang": Format(("eagle", "eagle3"), "SGLang"),
     "medusa": Format(("medusa",), "vLLM Medusa"),
 }
-PROVENANCE_KEY = "specdraft"  # in foreign configs: which format/kind wrote them (engines ignore it)
 
 
 def export_files(
@@ -153,7 +153,8 @@ def write_export(
     out_dir: str | os.PathLike, record: HeadRecord, format: str, *, overwrite: bool = False, **options: Any
 ) -> Path:
     """Export ``record`` into ``out_dir`` (config.json + model.safetensors), atomically; options as
-    :func:`export_files`. An existing non-empty ``out_dir`` is replaced only with ``overwrite``."""
+    :func:`export_files`. An existing non-empty ``out_dir`` is replaced only with ``overwrite``,
+    and only when it holds an export specdraft wrote (never a directory of the user's)."""
     config, tensors = export_files(record, format, **options)
     check_round_trip(record, config, tensors, format, options)
     return write_export_dir(out_dir, config, tensors, overwrite=overwrite)

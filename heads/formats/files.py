@@ -3,7 +3,7 @@
 The files are staged in a hidden sibling directory and moved into place by rename
 (:func:`specdraft.system.files.write_dir_atomic`), so a reader (or a killed export) sees either no
 export or a complete one. An existing export is replaced only when asked to, and then only after
-the new one is complete.
+the new one is complete, and ``overwrite=true`` replaces only an export that specdraft wrote.
 """
 
 from __future__ import annotations
@@ -17,22 +17,58 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from specdraft.heads.formats.native import is_native
 from specdraft.heads.formats.record import FormatError
 from specdraft.system.files import write_dir_atomic
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+PROVENANCE_KEY = "specdraft"  # in foreign configs: which format/kind wrote them (engines ignore it)
+SHOWN_ENTRIES = 5  # how many of a refused destination's files its message names
 
 
 def check_destination(out_dir: Path, overwrite: bool) -> None:
-    """Fail before any work when ``out_dir`` holds something we must not replace."""
+    """Fail before any work when ``out_dir`` holds something we must not replace: anything, unless
+    ``overwrite``; with it, anything but an export we wrote (:func:`is_our_export_dir`) — a user's
+    directory that happens to be named ``out=…`` is never deleted."""
+    if out_dir.is_symlink():
+        raise FormatError(f"export destination {out_dir} is a symbolic link; give the directory itself")
     if out_dir.exists() and not out_dir.is_dir():
         raise FormatError(f"export destination {out_dir} exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    if not overwrite:
         raise FormatError(
             f"export destination {out_dir} already holds files; choose another out=… or pass "
             "overwrite=true (the old export is replaced only once the new one is complete)"
         )
+    if not is_our_export_dir(out_dir):
+        shown = sorted(entry.name for entry in out_dir.iterdir())
+        listed = ", ".join(shown[:SHOWN_ENTRIES]) + (", …" if len(shown) > SHOWN_ENTRIES else "")
+        raise FormatError(
+            f"export destination {out_dir} holds files that are not an export written by specdraft "
+            f"({listed}); overwrite=true replaces only such an export: choose another out=… "
+            "(nothing was touched)"
+        )
+
+
+def is_our_export_dir(path: Path) -> bool:
+    """Exactly ``config.json`` and ``model.safetensors``, as regular files, and a config that
+    specdraft wrote: the native format, or a foreign layout with our provenance key (engines
+    ignore it). An export by another trainer, or one with a file of the user's beside it, is not."""
+    entries = {entry.name: entry for entry in path.iterdir()}
+    if set(entries) != {CONFIG_FILE, WEIGHTS_FILE}:
+        return False
+    if any(entry.is_symlink() or not entry.is_file() for entry in entries.values()):
+        return False
+    try:
+        config = json.loads(entries[CONFIG_FILE].read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    if not isinstance(config, dict):
+        return False
+    written_by = config.get(PROVENANCE_KEY)
+    return is_native(config) or (isinstance(written_by, dict) and isinstance(written_by.get("format"), str))
 
 
 def write_export_dir(
