@@ -32,6 +32,7 @@ class Probe:
     setup: Setup | None = None
     check: Check | None = None
     before: tuple[tuple[str, ...], ...] = ()  # command lines run first (outcome recorded, not judged)
+    between: Setup | None = None  # after ``before``: e.g. damage what it wrote
     timeout: float = 90.0
     needs: str = ""  # root-chmod | immutable: skipped where the machine cannot make the condition
     kind: str = ""  # what the issue calls it (bad value, unknown key, file, resume, names, …)
@@ -198,11 +199,13 @@ def drop_mask(tensors: dict) -> None:
     del tensors["loss_mask"]
 
 
-def run_copy(mutate: Callable[[Path], None] | None = None, at: str = RUN) -> Setup:
-    """<t>/<at>: a copy of the fixture run (by default where a re-run of it resumes), then ``mutate``."""
+def run_copy(mutate: Callable[[Path], None] | None = None, at: str = RUN, copy: bool = True) -> Setup:
+    """<t>/<at>: a copy of the fixture run, then ``mutate``; ``copy=False``: the run already there.
+    (A resumed run must be trained in place: its config holds its absolute paths.)"""
     def setup(t: Path, fx: dict) -> None:
         run = t / at
-        shutil.copytree(fx["run"], run)
+        if copy:
+            shutil.copytree(fx["run"], run)
         if mutate:
             mutate(run)
 

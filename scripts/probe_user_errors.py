@@ -169,6 +169,8 @@ def run_probe(probe: Probe, fx: dict, scratch: Path) -> dict:
             done = run(argv(probe.command, args, t, fx), t, probe.timeout)
             before = {"rc": done["rc"], "stderr_tail": done["stderr_tail"][-300:]}
             record.setdefault("before", []).append(before)
+        if probe.between:
+            probe.between(t, fx)
         if probe.needs and locked is not None:
             reason = make_unwritable(locked, probe.needs)
             if reason:
@@ -277,9 +279,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, required=True, help="the JSON to write (atomically)")
-    parser.add_argument("--only", default=None, help="the probes whose id contains this")
+    parser.add_argument("--only", default=None, help="the probes whose id contains this (a,b: either)")
     args = parser.parse_args()
-    probes = [p for p in PROBES if args.only is None or args.only in p.id]
+    wanted = args.only.split(",") if args.only else None
+    probes = [p for p in PROBES if wanted is None or any(w in p.id for w in wanted)]
     if not probes:
         parser.error(f"no probe id contains {args.only!r}")
     started = time.monotonic()
