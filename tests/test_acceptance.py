@@ -6,13 +6,19 @@ prefix of 3-token blocks on a 4-token vocabulary), with enough trials that a rul
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
 from conftest import prefix_chi_squares, rejects
 
 from specdraft.data.generate import greedy_tokens
-from specdraft.eval.acceptance import greedy_accept, speculative_sample_chain, tree_rejection_sample
+from specdraft.eval.acceptance import (
+    greedy_accept,
+    speculative_sample_chain,
+    tree_rejection_sample,
+    typical_accept,
+)
 from specdraft.eval.trees import tree_buffers
 
 VOCAB = 4
@@ -203,3 +209,40 @@ def test_greedy_tokens_take_the_first_maximum_like_argmax():
     logits = (torch.randint(0, 40, (64, 5000), generator=generator).float() / 8).bfloat16()  # many ties
     assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
     assert int(greedy_tokens(torch.tensor([1.0, 3.0, 3.0]))) == 1
+
+
+# Medusa's typical acceptance at T>0: a drafted token is judged by its PARENT's distribution (the
+# one it was drawn against), epsilon 0.3, delta 0.3.
+TYPICAL_EPSILON, TYPICAL_DELTA = 0.3, 0.3
+
+
+def typical_threshold(p: list[float]) -> float:
+    """min(epsilon, delta·exp(−H(p))), written out."""
+    entropy = -sum(x * math.log(x) for x in p if x > 0)
+    return min(TYPICAL_EPSILON, TYPICAL_DELTA * math.exp(-entropy))
+
+
+@pytest.mark.parametrize(
+    "parent,child,token,accepted",
+    [
+        # p_parent(1) = 0.15 lies under the parent's threshold (0.163): rejected; the child's
+        # own distribution (uniform: threshold 0.1, p_child(1) = 0.33) would accept it.
+        ([0.8, 0.15, 0.05], [1 / 3, 1 / 3, 1 / 3], 1, False),
+        # p_parent(0) = 0.33 is over the parent's threshold (0.1): accepted; the child's own
+        # distribution (p_child(0) = 0.01) would reject it.
+        ([1 / 3, 1 / 3, 1 / 3], [0.01, 0.98, 0.01], 0, True),
+    ],
+    ids=["rejected-by-its-parent", "accepted-by-its-parent"],
+)
+def test_typical_acceptance_judges_a_token_by_its_parents_distribution(parent, child, token, accepted):
+    assert (parent[token] > typical_threshold(parent)) == accepted  # the case is what it says
+    probs = torch.tensor([parent, child])
+    nodes, _ = typical_accept(
+        torch.tensor([0, token]),
+        torch.tensor([[0, 1]]),
+        probs,
+        TYPICAL_EPSILON,
+        TYPICAL_DELTA,
+        torch.Generator().manual_seed(0),
+    )
+    assert nodes == ([1] if accepted else [])

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,36 @@ def test_another_target_into_the_same_directory_is_refused_untouched(tmp_path, t
     ):
         write(other, samples_for(other), tmp_path)
     assert files_of(tmp_path) == before
+
+
+def test_other_conversations_of_the_same_lengths_do_not_resume_a_cache(tmp_path, tiny_target):
+    """The plan's token hash binds a cache to its tokens: conversations with the same lengths but
+    other tokens (an edited data file) are refused, not appended to shards of the old ones."""
+    samples = samples_for(tiny_target)
+    write(tiny_target, samples[:12], tmp_path)
+    (tmp_path / "manifest.json").unlink()  # an unfinished cache: shards without a manifest
+    before = files_of(tmp_path)
+    edited = [
+        replace(sample, input_ids=tuple((t + 1) % tiny_target.spec.vocab_size for t in sample.input_ids))
+        for sample in samples[:12]
+    ]
+    assert [len(s.input_ids) for s in edited] == [len(s.input_ids) for s in samples[:12]]
+    with pytest.raises(CacheError, match=r"token_hash: stored"):
+        write(tiny_target, edited, tmp_path)
+    assert files_of(tmp_path) == before
+
+
+def test_a_shard_whose_file_lost_bytes_is_written_again(tmp_path, tiny_target):
+    """A shard counts as done only when its file has the size its sidecar records: a shard file
+    cut short (a disk that lost its tail) is computed again on resume, to the same bytes."""
+    samples = samples_for(tiny_target)
+    write(tiny_target, samples, tmp_path / "reference")
+    write(tiny_target, samples, tmp_path / "resumed")
+    shard = tmp_path / "resumed" / "shard-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    (tmp_path / "resumed" / "manifest.json").unlink()
+    write(tiny_target, samples, tmp_path / "resumed")
+    assert files_of(tmp_path / "resumed") == files_of(tmp_path / "reference")
 
 
 def test_reading_a_cache_for_another_target_names_both(tmp_path, tiny_target):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import prefix_chi_squares
+from conftest import prefix_chi_squares, reference_probs
 
 from specdraft.data.features import TokenBatch, extract_features
 from specdraft.data.target import target_weights
@@ -147,6 +147,24 @@ def test_draft_model_and_threshold_chain_equal_plain(diverse_target, plain):
     assert {step.depth for step in generation.steps} != {6}  # the threshold did cut some chains
 
 
+def test_the_threshold_chain_drafts_further_after_a_fully_accepted_chain(diverse_target):
+    """The threshold falls by its step after a chain accepted whole (draft further next time),
+    rises after a rejection, and stays within [threshold_min, threshold_max]."""
+    shape = Chain(depth=6, threshold=0.3, threshold_step=0.05, threshold_min=0.2, threshold_max=0.4)
+    drafter = FeatureHeadDrafter(random_head(diverse_target, "eagle"), shape)
+    drafter.observe(drafted=6, accepted=6)
+    assert drafter.threshold == pytest.approx(0.25)
+    drafter.observe(drafted=6, accepted=2)
+    drafter.observe(drafted=3, accepted=0)
+    assert drafter.threshold == pytest.approx(0.35)
+    for _ in range(5):
+        drafter.observe(drafted=6, accepted=1)
+    assert drafter.threshold == pytest.approx(0.4)
+    for _ in range(10):
+        drafter.observe(drafted=6, accepted=6)
+    assert drafter.threshold == pytest.approx(0.2)
+
+
 def test_draft_model_oracle_accepts_the_whole_chain(diverse_target, plain):
     prompt, expected = plain
     drafter = DraftModelDrafter(diverse_target.model, Chain(depth=3))  # the target drafting for itself
@@ -165,17 +183,27 @@ DRAFT_DEPTH = 2
 BLOCK = 1 + DRAFT_DEPTH + 1  # the root, the drafts and the bonus token after full acceptance
 
 
-def target_block_probabilities(target, prompt: torch.Tensor, length: int) -> dict[tuple[int, ...], float]:
-    """Exact P(t_1 … t_length) under TOP2 processing, from plain forwards."""
+# Top-k and top-p together: the top token alone often reaches 0.9 of the top-2 mass, so the
+# nucleus cut (the crossing token kept) runs inside verification too.
+TOP2_NUCLEUS = Sampling(temperature=1.0, top_k=2, top_p=0.9)
+
+
+def target_block_probabilities(
+    target, prompt: torch.Tensor, length: int, sampling: Sampling = TOP2
+) -> dict[tuple[int, ...], float]:
+    """Exact P(t_1 … t_length) under ``sampling``, from plain forwards and the independent
+    reference of the filters (conftest.reference_probs), never the decoder's own Sampling.probs."""
     table: dict[tuple[int, ...], float] = {(): 1.0}
     with torch.no_grad():
         for _ in range(length):
             grown = {}
             for block, p in table.items():
                 ids = torch.cat([prompt, torch.tensor(block, dtype=torch.long)])[None]
-                probs = TOP2.probs(target.model(input_ids=ids).logits[0, -1])
-                for token in probs.nonzero().flatten().tolist():
-                    grown[(*block, token)] = p * float(probs[token])
+                logits = target.model(input_ids=ids).logits[0, -1]
+                probs = reference_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+                for token, q in enumerate(probs):
+                    if q > 0:
+                        grown[(*block, token)] = p * q
             table = grown
     return table
 
@@ -205,27 +233,28 @@ def near_target_filter(target, strength: float):
 
 
 @pytest.mark.parametrize(
-    "kind,shape",
+    "kind,shape,sampling",
     [
-        ("eagle", Chain(depth=DRAFT_DEPTH)),
-        ("eagle", DynamicTree(depth=DRAFT_DEPTH, top_k=2, total_tokens=5)),
-        ("medusa", StaticTree(((0,), (1,), (0, 0), (1, 0)))),
+        ("eagle", Chain(depth=DRAFT_DEPTH), TOP2),
+        ("eagle", DynamicTree(depth=DRAFT_DEPTH, top_k=2, total_tokens=5), TOP2),
+        ("medusa", StaticTree(((0,), (1,), (0, 0), (1, 0))), TOP2),
+        ("eagle", DynamicTree(depth=DRAFT_DEPTH, top_k=2, total_tokens=5), TOP2_NUCLEUS),
     ],
-    ids=["eagle-chain", "eagle-dynamic-tree", "medusa-static-tree"],
+    ids=["eagle-chain", "eagle-dynamic-tree", "medusa-static-tree", "eagle-dynamic-tree-top-p"],
 )
-def test_sampling_reproduces_the_target_distribution(tiny_target, kind, shape):
+def test_sampling_reproduces_the_target_distribution(tiny_target, kind, shape, sampling):
     """The first BLOCK tokens — the root, then the first round's drafts and its bonus token (or a
     later round's tokens after a rejection) — follow the target's distribution, every prefix of
     them (conftest.prefix_chi_squares)."""
     prompt = prompt_ids(tiny_target, seed=7)
-    expected = target_block_probabilities(tiny_target, prompt, BLOCK)
+    expected = target_block_probabilities(tiny_target, prompt, BLOCK, sampling)
     drafter = drafter_for(random_head(tiny_target, kind), kind, shape, near_target_filter(tiny_target, 0.5))
     runner = runner_for(tiny_target, kind)
     generator = torch.Generator().manual_seed(0)
     counts: dict[tuple[int, ...], int] = {}
     outcomes = {"accepted all": 0, "rejected some": 0}
     for _ in range(TRIALS):
-        generation = speculative_generate(runner, drafter, prompt, BLOCK, TOP2, (), generator)
+        generation = speculative_generate(runner, drafter, prompt, BLOCK, sampling, (), generator)
         block = tuple(generation.tokens)
         counts[block] = counts.get(block, 0) + 1
         step = generation.steps[0]

@@ -30,6 +30,7 @@ from specdraft.heads.formats import (
     read_export,
     write_export,
 )
+from specdraft.heads.frozen import random_target_weights
 from specdraft.heads.registry import build_head
 from specdraft.train.export import export
 
@@ -143,9 +144,39 @@ def test_export_reads_back_bit_for_bit(target, tmp_path, name, dtype):
         assert set(back.state) == set(record.state)
         for key, value in record.state.items():
             expected = value.to(dtype) if dtype and value.is_floating_point() else value
+            assert back.state[key].dtype == expected.dtype, f"{format}: {key}"
             assert torch.equal(back.state[key], expected), f"{format}: {key}"
         exported += 1
     assert exported >= 2
+
+
+# SmolLM2's vocabulary: ids above 256 are not all bf16 / fp16 numbers, so a vocabulary map cast
+# with the weights reads back as other tokens (the tiny target's 259 tokens would hide it).
+REAL_VOCAB, REAL_DRAFT_VOCAB = 49_152, 4_096
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_vocabulary_maps_keep_their_integer_ids_in_a_half_precision_export(target, tmp_path, dtype):
+    """An EAGLE-3 head with a reduced draft vocabulary over a 49,152-token target, exported in half
+    precision to every format that carries d2t / t2d: the maps read back as the head's own
+    tensors, integer dtype and every id exact."""
+    spec = replace(target.spec, vocab_size=REAL_VOCAB)
+    weights = random_target_weights(spec, seed=0)
+    head = build_head("eagle3", {"draft_vocab_size": REAL_DRAFT_VOCAB}, spec, weights)
+    head.choose_vocabulary(lambda: torch.rand(REAL_VOCAB, generator=torch.Generator().manual_seed(0)))
+    record = HeadRecord("eagle3", {"draft_vocab_size": REAL_DRAFT_VOCAB}, spec, head.state_dict())
+    maps = {k: v for k, v in record.state.items() if not v.is_floating_point()}
+    assert maps and max(int(v.max()) for v in maps.values()) > 2048  # ids a half float cannot hold
+    formats = [f for f, info in FORMATS.items() if "eagle3" in info.holds()]
+    for format in formats:
+        out = write_export(
+            tmp_path / format, record, format, target_spec=spec, target_lm_head=weights.lm_head, dtype=dtype
+        )
+        back = read_export(out, spec, target_lm_head=weights.lm_head)
+        for key, value in maps.items():
+            assert back.state[key].dtype == value.dtype, f"{format}: {key} is {back.state[key].dtype}"
+            assert torch.equal(back.state[key], value), f"{format}: {key}"
+    assert len(formats) >= 2
 
 
 @pytest.mark.parametrize("name", ["eagle", "eagle3", "medusa"])

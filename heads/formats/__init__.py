@@ -172,7 +172,10 @@ def check_round_trip(
     back = record_from_files(
         config, tensors, options["target_spec"], target_lm_head=options.get("target_lm_head"), format=format
     )
-    expected = cast_floats(record.state, options.get("dtype"))
+    # The expectation is cast here, not by the cast the export used: an export that also cast the
+    # integer vocabulary maps (d2t, t2d) must not pass by comparing against the same mistake.
+    dtype = options.get("dtype")
+    expected = {k: v.to(dtype) if dtype and v.is_floating_point() else v for k, v in record.state.items()}
     problems = []
     if back.kind != record.kind or head_config(back.kind, back.config) != head_config(
         record.kind, record.config
@@ -185,7 +188,11 @@ def check_round_trip(
     if set(back.state) != set(expected):
         problems.append(f"weights {sorted(set(back.state) ^ set(expected))} appear on one side only")
     else:
-        problems += [f"weight {k} differs" for k in expected if not torch.equal(back.state[k], expected[k])]
+        problems += [
+            f"weight {k} differs ({back.state[k].dtype} read back, {expected[k].dtype} expected)"
+            for k in expected
+            if back.state[k].dtype != expected[k].dtype or not torch.equal(back.state[k], expected[k])
+        ]
     if problems:
         raise FormatError(f"format {format}: the export does not read back as the same head: {problems}")
 
