@@ -42,14 +42,30 @@ class Probe:
 # ---- command-line prefixes (tiny target, seconds each) -------------------------------------
 PREP = ("target=tiny_random", "data=tiny", "sample_conversations=8", "progress=false")
 CACHE = ("target=tiny_random", "data=tiny", "limit=8", "progress=false", "out_dir=<t>/cache")
-REGEN = ("target=tiny_random", "data=tiny", "limit=3", "max_turns=1", "batch_size=2",
-         "generation.max_new_tokens=4", "progress=false", "out_path=<t>/regen.jsonl",
-         "+target.initializer_range=0.5")  # the default init answers with an empty string
+REGEN = (
+    "target=tiny_random",
+    "data=tiny",
+    "limit=3",
+    "max_turns=1",
+    "batch_size=2",
+    "generation.max_new_tokens=4",
+    "progress=false",
+    "out_path=<t>/regen.jsonl",
+    "+target.initializer_range=0.5",
+)  # the default init answers with an empty string
 TRAIN = ("experiment=eagle", "debug=smoke")
 CACHED = (*TRAIN, "datamodule=cached", "datamodule.train_cache=<t>/mycache", "datamodule.val_cache=<heldout>")
 EXPORT = ("target=tiny_random", "checkpoint=<ckpt>", "out=<t>/myexport")
-EVAL = ("target=tiny_random", "prompts=tiny", "checkpoint=<ckpt>", "shortlist.size=null",
-        "max_new_tokens=8", "temperatures=[0.0]", "warmup=false", "progress=false")
+EVAL = (
+    "target=tiny_random",
+    "prompts=tiny",
+    "checkpoint=<ckpt>",
+    "shortlist.size=null",
+    "max_new_tokens=8",
+    "temperatures=[0.0]",
+    "warmup=false",
+    "progress=false",
+)
 BENCH = (*EVAL, "methods=head")
 TINY_STAGES = tuple(
     f"overrides.{stage}=['target=tiny_random']" for stage in ("regen", "cache", "train", "export", "eval")
@@ -104,6 +120,7 @@ def steps(*setups: Setup) -> Setup:
 
 def truncated_copy(source: str, name: str) -> Setup:
     """<t>/name: the first half of the fixture file ``source``."""
+
     def setup(t: Path, fx: dict) -> None:
         data = Path(fx[source]).read_bytes()
         (t / name).write_bytes(data[: len(data) // 2])
@@ -140,6 +157,7 @@ def malicious(name: str) -> Setup:
 
 def cache_copy(mutate: Callable[[Path], None] | None = None, name: str = "c") -> Setup:
     """<t>/<name>: a copy of the fixture cache, then ``mutate``(its dir)."""
+
     def setup(t: Path, fx: dict) -> None:
         shutil.copytree(fx["cache"], t / name)
         if mutate:
@@ -169,6 +187,7 @@ def lie_totals(manifest: dict) -> None:
 
 def rewrite_shard(change: Callable[[dict], None]) -> Callable[[Path], None]:
     """Change shard 0's tensors and re-record its size and SHA-256: a shard that passes its hash."""
+
     def mutate(cache: Path) -> None:
         import hashlib
 
@@ -202,6 +221,7 @@ def drop_mask(tensors: dict) -> None:
 def run_copy(mutate: Callable[[Path], None] | None = None, at: str = RUN, copy: bool = True) -> Setup:
     """<t>/<at>: a copy of the fixture run, then ``mutate``; ``copy=False``: the run already there.
     (A resumed run must be trained in place: its config holds its absolute paths.)"""
+
     def setup(t: Path, fx: dict) -> None:
         run = t / at
         if copy:
@@ -252,6 +272,7 @@ def locked(relative: str) -> Setup:
 # ---- checks ----------------------------------------------------------------------------------
 def only_under(*allowed: str) -> Check:
     """Nothing new outside ``allowed`` (paths relative to <t>; a file's side files, <name>.*, too)."""
+
     def check(t: Path, fx: dict, new: list) -> str | None:
         outside = [p for p in new if not any(p == a or p.startswith((a + "/", a + ".")) for a in allowed)]
         return f"wrote outside {allowed}: {outside[:3]}" if outside else None
@@ -314,6 +335,7 @@ def lines_of(relative: str, count: int) -> Check:
 
 def unchanged(relative: str) -> Check:
     """``relative`` (under <t>) the same bytes as before the command (the runner keeps a copy)."""
+
     def check(t: Path, fx: dict, new: list) -> str | None:
         kept = t.parent / f"{t.name}.before" / relative
         return None if (t / relative).read_bytes() == kept.read_bytes() else f"{relative} rewritten"

@@ -67,8 +67,14 @@ def argv(probe_command: str, args: tuple[str, ...], t: Path, fx: dict) -> list[s
 
 def start(command: list[str], cwd: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        command, cwd=cwd, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, errors="replace", start_new_session=True,  # a timeout ends its stages too
+        command,
+        cwd=cwd,
+        env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        start_new_session=True,  # a timeout ends its stages too
     )
 
 
@@ -80,8 +86,12 @@ def finish(process: subprocess.Popen, timeout: float, started: float) -> dict:
         os.killpg(process.pid, signal.SIGKILL)
         out, err = process.communicate()
         rc = None
-    return {"rc": rc, "seconds": round(time.monotonic() - started, 1), "stdout_tail": out[-TAIL_CHARS:],
-            "stderr_tail": err[-TAIL_CHARS:]}
+    return {
+        "rc": rc,
+        "seconds": round(time.monotonic() - started, 1),
+        "stdout_tail": out[-TAIL_CHARS:],
+        "stderr_tail": err[-TAIL_CHARS:],
+    }
 
 
 def run(command: list[str], cwd: Path, timeout: float) -> dict:
@@ -158,8 +168,13 @@ def release(path: Path) -> None:
 
 def run_probe(probe: Probe, fx: dict, scratch: Path) -> dict:
     t = Path(tempfile.mkdtemp(prefix="p-", dir=scratch))  # no word of a fragment in its path
-    record = {"id": probe.id, "command": f"specdraft-{probe.command}", "expect": probe.expect,
-              "kind": probe.kind, "fragments": list(probe.fragments)}
+    record = {
+        "id": probe.id,
+        "command": f"specdraft-{probe.command}",
+        "expect": probe.expect,
+        "kind": probe.kind,
+        "fragments": list(probe.fragments),
+    }
     locked = t / probe.setup.locked if hasattr(probe.setup, "locked") else None
     try:
         if probe.setup:
@@ -221,8 +236,13 @@ def race(probe: Probe, command: list[str], t: Path, fx: dict, existing: set[str]
         verdict = judge_refusal(results[rcs.index(2)], probe.command, probe.fragments)
     else:
         verdict = "wrongly-refused" if rcs == [2, 2] else "wrong-exit"
-    return {"rc": rcs, "seconds": round(time.monotonic() - started, 1), "post_check": failure,
-            "stderr_tail": [r["stderr_tail"] for r in results], "verdict": verdict}
+    return {
+        "rc": rcs,
+        "seconds": round(time.monotonic() - started, 1),
+        "post_check": failure,
+        "stderr_tail": [r["stderr_tail"] for r in results],
+        "verdict": verdict,
+    }
 
 
 def make_fixtures(root: Path) -> dict:
@@ -230,8 +250,17 @@ def make_fixtures(root: Path) -> dict:
     steps = [
         ("train", ("experiment=eagle", "debug=smoke")),
         ("cache", ("target=tiny_random", "data=tiny", "limit=10", "progress=false", f"out_dir={root}/cache")),
-        ("cache", ("target=tiny_random", "data=tiny", "split=heldout", "limit=6", "progress=false",
-                   f"out_dir={root}/heldout")),
+        (
+            "cache",
+            (
+                "target=tiny_random",
+                "data=tiny",
+                "split=heldout",
+                "limit=6",
+                "progress=false",
+                f"out_dir={root}/heldout",
+            ),
+        ),
     ]
     run_dir = root / "outputs" / "train" / "smoke-eagle-eagle"
     ckpt = run_dir / "checkpoints" / "last.ckpt"
@@ -240,20 +269,35 @@ def make_fixtures(root: Path) -> dict:
         done = run([str(BIN / f"specdraft-{command}"), *args], root, FIXTURE_TIMEOUT_S)
         if done["rc"] != 0:
             sys.exit(f"fixture specdraft-{command} failed: {done['stderr_tail'][-1500:]}")
-    return {"run": str(run_dir), "ckpt": str(ckpt), "cache": str(root / "cache"),
-            "heldout": str(root / "heldout"), "export": str(root / "export")}
+    return {
+        "run": str(run_dir),
+        "ckpt": str(ckpt),
+        "cache": str(root / "cache"),
+        "heldout": str(root / "heldout"),
+        "export": str(root / "export"),
+    }
 
 
 def machine() -> dict:
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
     names = (line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name"))
     model = next(names, "")
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
-                            check=False).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True, check=False).stdout.strip()
-    return {"cpu": model, "cores": os.cpu_count(), "commit": commit, "dirty": bool(dirty),
-            "euid": os.geteuid()}
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "commit": commit,
+        "dirty": bool(dirty),
+        "euid": os.geteuid(),
+    }
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
@@ -298,8 +342,10 @@ def main() -> None:
             payload["counts"] = dict(Counter(r["verdict"] for r in payload["probes"]).most_common())
             payload["wall_s"] = round(time.monotonic() - started, 1)
             write_json_atomic(args.out, payload)  # a partial sweep is kept if this one is stopped
-            print(f"[{n}/{len(probes)}] {probe.id}: {record['verdict']} ({record.get('seconds', 0)} s)",
-                  flush=True)
+            print(
+                f"[{n}/{len(probes)}] {probe.id}: {record['verdict']} ({record.get('seconds', 0)} s)",
+                flush=True,
+            )
     print(table(payload["probes"]))
     print(f"counts: {payload['counts']}; {len(probes)} probes in {payload['wall_s']} s")
 
