@@ -5,6 +5,7 @@ it is reached — and every violation is reported together."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import pytest
@@ -13,6 +14,7 @@ from omegaconf import OmegaConf
 from specdraft.data import cache_cli, prepare, regen_cli
 from specdraft.eval import cli as eval_cli
 from specdraft.eval.drafters import DynamicTree
+from specdraft.eval.prompts import read_spec_bench
 from specdraft.recipes import quickstart
 from specdraft.system.checks import (
     SettingsError,
@@ -222,3 +224,15 @@ def test_a_dynamic_tree_cannot_ask_for_more_nodes_than_its_shape_holds():
     assert DynamicTree(depth=3, top_k=2, total_tokens=11).max_total_tokens == 11
     with pytest.raises(ValueError, match=r"total_tokens=4 is more than the 3 nodes"):
         DynamicTree(depth=1, top_k=2, total_tokens=4)
+
+
+def test_a_prompt_file_with_repeated_question_ids_is_refused_naming_the_file_and_ids(tmp_path):
+    """Ids key the records a resume skips: with a repeated id, a resume counted the questions
+    sharing it as done ("0 to go") and they never ran."""
+    rows = [(1, "math"), (2, "math"), (1, "coding"), (3, "coding"), (2, "stem"), (4, "stem")]
+    path = tmp_path / "dup.jsonl"
+    path.write_text(
+        "".join(json.dumps({"question_id": i, "category": c, "turns": [f"q{i}{c}"]}) + "\n" for i, c in rows)
+    )
+    with pytest.raises(ValueError, match=r"dup\.jsonl: .*unique.*'1' \(lines 1, 3\), '2' \(lines 2, 5\)$"):
+        read_spec_bench(path, per_category=1)  # even where the selection would keep one of each
