@@ -65,13 +65,13 @@ from specdraft.system.hardware import detect_hardware, start
 log = logging.getLogger(__name__)
 
 # specdraft-bench / -eval settings (conf/bench.yaml and its groups), checked before anything loads;
-# the methods' shapes and sizes are checked with them (eval/methods.py method_problems).
+# the methods' shapes and sizes are checked with them (eval/methods.py method_problems), the batch
+# sizes next (eval/batch.py check_batch_sizes, shared with the batched benchmark).
 BENCH_SETTINGS = {
     "temperatures": each(at_least(0, integer=False)),
     "top_p": in_range(0, 1, closed=(False, True)),
     "top_k": at_least(0),
     "max_new_tokens": at_least(1),
-    "batch_sizes": optional(each(at_least(1))),
     "max_minutes": optional(greater_than(0)),
     "seed": integer(),
     "threads": THREADS,

@@ -79,7 +79,7 @@ def corrupt_checkpoint(tmp_path: Path) -> Path:
             eval_cli.bench_main,
             "specdraft-bench",
             lambda t: ["target=tiny_random", "prompts=tiny", "checkpoint=x", "batch_sizes=[0]"],
-            "batch_sizes=[0]: expected null or a non-empty list, each an integer >= 1",
+            "batch_sizes: expected a non-empty list of positive integers",
         ),
         (
             export.main,

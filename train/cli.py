@@ -61,7 +61,7 @@ from specdraft.train.run_dir import FINAL_CHECKPOINT, prepare_run_dir
 
 log = logging.getLogger(__name__)
 
-# specdraft-train settings (conf/train.yaml and the groups it composes), checked before anything
+# specdraft-train settings (the train config and the groups it composes), checked before anything
 # loads or is written. -1 is Lightning's "no limit" for max_steps / max_epochs (and no decay).
 UNLIMITED = -1
 TRAIN_SETTINGS = {
