@@ -89,7 +89,7 @@ TRAIN_SETTINGS = {
     "loss.chunk_size": at_least(1),
     "loss.draft_vocab_size": optional(at_least(1)),
     "loss.rollout_vocab_size": optional(at_least(1)),
-    "optim.lr": greater_than(0),
+    "optim.lr": at_least(0, integer=False),  # 0: frozen weights (tests of init_from)
     "optim.weight_decay": at_least(0, integer=False),
     "optim.betas": each(in_range(0, 1, closed=(True, False))),
     "scheduler.warmup_steps": at_least(0),
