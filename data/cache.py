@@ -55,6 +55,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from specdraft.data.cache_manifest import manifest_differences, manifest_problems
 from specdraft.data.chat import TokenizedConversation
 from specdraft.data.features import collate, extract_features, length_batches, pad_token_id
 from specdraft.data.finite import nonfinite_feature
@@ -246,7 +247,9 @@ def compute_shard(
 
 
 def finalize_manifest(out_dir: str | Path) -> dict[str, Any] | None:
-    """Write manifest.json if every planned shard is done; return it (None if shards are missing)."""
+    """Write manifest.json if every planned shard is done; return it (None if shards are missing).
+    The manifest plan.json and the sidecars make is checked against the shards first, and an
+    existing manifest.json that differs from it is reported (:func:`check_manifest`), not rewritten."""
     out_dir = Path(out_dir)
     plan = read_json(out_dir / "plan.json")
     sidecars = [sidecar_if_done(out_dir, shard["name"]) for shard in plan["shards"]]
@@ -265,18 +268,20 @@ def finalize_manifest(out_dir: str | Path) -> dict[str, Any] | None:
         "shards": [{**s, **sidecar} for s, sidecar in zip(plan["shards"], sidecars, strict=True)],
     }
     manifest_path = out_dir / "manifest.json"
-    if not manifest_path.is_file() or read_json(manifest_path) != manifest:
+    check_manifest(out_dir, manifest, stored=read_json(manifest_path) if manifest_path.is_file() else None)
+    if not manifest_path.is_file():
         write_json_atomic(manifest_path, manifest)
     return manifest
 
 
 def validate_cache(out_dir: str | Path) -> dict[str, Any]:
-    """Check every shard against the manifest: size, SHA-256, tensor names, shapes and dtypes.
+    """Check every shard against the manifest: its counts, totals and offsets, size, SHA-256,
+    tensor names, shapes and dtypes.
     Raises :class:`CacheError` naming every bad file; returns the manifest."""
     out_dir = Path(out_dir)
     manifest = read_json(out_dir / "manifest.json")
     hidden_size = manifest["target"]["hidden_size"]
-    problems = []
+    problems = manifest_problems(out_dir, manifest)  # counts, totals, offsets (data/cache_manifest.py)
     for shard in tqdm(manifest["shards"], desc="validate", unit="shard"):
         path = out_dir / f"{shard['name']}.safetensors"
         try:
@@ -408,3 +413,21 @@ def read_json(path: Path) -> dict[str, Any]:
         raise CacheError(f"{path}: not valid JSON ({error})") from error
     except FileNotFoundError as error:
         raise CacheError(f"{path}: not found") from error
+
+
+def check_manifest(
+    out_dir: str | Path, manifest: dict[str, Any], stored: dict[str, Any] | None = None
+) -> None:
+    """Raise :class:`CacheError` where ``manifest`` disagrees with itself or with its shards
+    (:mod:`specdraft.data.cache_manifest`), or where a ``stored`` manifest.json differs from it
+    (``manifest`` then being what plan.json and the sidecars make): a lying manifest is reported,
+    never rewritten. One ``<shard> <field>: …`` per problem."""
+    problems = manifest_problems(Path(out_dir), manifest)
+    if problems:
+        raise CacheError(f"cache {out_dir}: the manifest disagrees with its shards: " + "; ".join(problems))
+    differences = manifest_differences(stored, manifest) if stored is not None else []
+    if differences:
+        raise CacheError(
+            f"cache {out_dir}: manifest.json disagrees with plan.json and the shards' sidecars in "
+            f"{', '.join(differences[:8])}; remove manifest.json to have it written again"
+        )

@@ -21,16 +21,33 @@ from specdraft.data.cache import StoredFields, finalize_manifest, validate_cache
 from specdraft.data.chat import tokenize_conversations
 from specdraft.data.conversations import select_conversations
 from specdraft.data.packed_linear import pack_linear_weights
+from specdraft.data.settings import SPLITS, THREADS, data_rules
+from specdraft.system.checks import at_least, check_settings, from_text, one_of, optional
 from specdraft.system.errors import user_errors
 from specdraft.system.hardware import start
 from specdraft.system.locks import output_lock
 
 log = logging.getLogger(__name__)
 
+# specdraft-cache settings (conf/cache.yaml and its groups), checked before anything is read or written.
+CACHE_SETTINGS = {
+    "mode": one_of("write", "validate"),
+    "split": SPLITS,
+    "limit": optional(at_least(1)),
+    **data_rules(),
+    "top_k": at_least(0),
+    "shard_tokens": at_least(1),
+    "batch_tokens": at_least(1),
+    "rank": from_text(at_least(0)),
+    "world_size": from_text(at_least(1)),
+    "threads": THREADS,
+}
+
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="cache")
 @user_errors("specdraft-cache")
 def main(cfg: DictConfig) -> None:
+    check_settings(cfg, CACHE_SETTINGS)
     start("specdraft-cache", cfg.threads, cfg.target)
     if cfg.mode == "validate":
         finalize_manifest(cfg.out_dir)
@@ -40,8 +57,6 @@ def main(cfg: DictConfig) -> None:
             f"{manifest['num_tokens']} tokens: all valid"
         )
         return
-    if cfg.mode != "write":
-        raise ValueError(f"mode must be 'write' or 'validate', got {cfg.mode!r}")
     # One lock per rank: the ranks of one cache run at once, each writing its own shards.
     with output_lock(cfg.out_dir, "specdraft-cache", part=f"rank-{cfg.rank}"):
         write(cfg)

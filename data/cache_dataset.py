@@ -17,7 +17,14 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from specdraft.data.cache import CacheError, StoredFields, check_finite_shard, read_json, validate_cache
+from specdraft.data.cache import (
+    CacheError,
+    StoredFields,
+    check_finite_shard,
+    check_manifest,
+    read_json,
+    validate_cache,
+)
 from specdraft.data.features import FeatureBatch
 from specdraft.heads.spec import TargetSpec
 
@@ -48,6 +55,8 @@ class FeatureCache(torch.utils.data.Dataset):
                 f"{manifest_path} not found: the cache is unfinished or this is not a cache directory"
             )
         self.manifest = validate_cache(self.dir) if verify else read_json(manifest_path)
+        if not verify:  # the cheap checks still (shard headers and offsets; validate_cache has them)
+            check_manifest(self.dir, self.manifest)
         if expect is not None:
             check_target_matches(self.manifest, expect, str(manifest_path))
         if expect_fields is not None:

@@ -28,7 +28,9 @@ from specdraft.data.chat import TokenizedConversation, tokenize_conversations
 from specdraft.data.conversations import split_conversations
 from specdraft.data.features import collate, extract_features, length_batches, pad_token_id
 from specdraft.data.regen import GenerationSettings, TargetResponder
+from specdraft.data.settings import THREADS, data_rules
 from specdraft.data.target import Target
+from specdraft.system.checks import at_least, check_settings
 from specdraft.system.errors import user_errors
 from specdraft.system.files import write_json_atomic
 from specdraft.system.hardware import start
@@ -36,9 +38,21 @@ from specdraft.system.hardware import start
 log = logging.getLogger(__name__)
 
 
+# specdraft-prepare settings (conf/prepare.yaml and its groups), checked before the target loads.
+PREPARE_SETTINGS = {
+    **data_rules(),
+    "sample_conversations": at_least(1),
+    "batch_tokens": at_least(1),
+    "top_k": at_least(0),
+    "threads": THREADS,
+    "chat_check.max_new_tokens": at_least(1),
+}
+
+
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="prepare")
 @user_errors("specdraft-prepare")
 def main(cfg: DictConfig) -> None:
+    check_settings(cfg, PREPARE_SETTINGS)
     start("specdraft-prepare", cfg.threads, cfg.target)
     started = time.perf_counter()
     target: Target = instantiate(cfg.target)

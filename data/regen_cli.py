@@ -33,6 +33,17 @@ from specdraft.data.regen import (
     resolve_batch_size,
     resolve_chunk_size,
 )
+from specdraft.data.settings import SPLITS, THREADS, data_rules
+from specdraft.system.checks import (
+    at_least,
+    check_settings,
+    either,
+    greater_than,
+    in_range,
+    integer,
+    one_of,
+    optional,
+)
 from specdraft.system.errors import user_errors
 from specdraft.system.files import write_json_atomic
 from specdraft.system.hardware import start
@@ -41,9 +52,39 @@ from specdraft.system.locks import output_lock
 log = logging.getLogger(__name__)
 
 
+# specdraft-regen settings (conf/regen.yaml and its groups), checked before anything is read or written.
+REGEN_SETTINGS = {
+    "split": SPLITS,
+    "limit": optional(at_least(1)),
+    "max_turns": optional(at_least(1)),
+    **data_rules(),
+    "backend": one_of("target", "openai"),
+    "generation.temperature": at_least(0, integer=False),
+    "generation.top_p": in_range(0, 1, closed=(False, True)),
+    "generation.max_new_tokens": at_least(1),
+    "generation.seed": integer(),
+    "batch_size": either(one_of("auto"), at_least(1)),
+    "chunk_size": either(one_of("auto"), at_least(1)),
+    "max_prompt_tokens": at_least(1),
+    "auto.cpu_rows": at_least(1),
+    "auto.gpu_memory_fraction": in_range(0, 1, closed=(False, True)),
+    "auto.max_rows": at_least(1),
+    "auto.chunk_batches": at_least(1),
+    "auto.min_chunk": at_least(1),
+    "features.top_k": at_least(0),
+    "features.heldout_fraction": in_range(0, 1, closed=(True, False)),
+    "features.split_seed": integer(),
+    "openai.concurrency": at_least(1),
+    "openai.timeout": greater_than(0),
+    "openai.max_retries": at_least(0),
+    "threads": THREADS,
+}
+
+
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="regen")
 @user_errors("specdraft-regen")
 def main(cfg: DictConfig) -> None:
+    check_settings(cfg, REGEN_SETTINGS)
     # The output and the captured features' directory, each locked (system/locks.py).
     features = nullcontext() if cfg.features.dir is None else output_lock(cfg.features.dir, "specdraft-regen")
     with output_lock(cfg.out_path, "specdraft-regen"), features:

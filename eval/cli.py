@@ -26,6 +26,7 @@ from specdraft.data.attention import GROUPED_QUERY_ATTENTION, use_grouped_query_
 from specdraft.data.chat import assistant_token_counts, tokenize_conversations
 from specdraft.data.conversations import split_conversations
 from specdraft.data.packed_linear import PackedLinear, pack_linear_weights
+from specdraft.data.settings import THREADS, data_rules, source_rules
 from specdraft.data.target import Target
 from specdraft.eval.autoshape import (
     ShapeChoice,
@@ -42,17 +43,60 @@ from specdraft.eval.decode import Typical
 from specdraft.eval.drafters import Drafter, TreeShape
 from specdraft.eval.graphs import resolve_graphs
 from specdraft.eval.load import load_head
-from specdraft.eval.methods import Method, ShapeChooser, build_method, tree_shape
+from specdraft.eval.methods import Method, ShapeChooser, build_method, method_problems, tree_shape
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.shortlist import cached_assistant_counts
 from specdraft.heads.vocab import draft_vocab_from_counts
+from specdraft.system.checks import (
+    at_least,
+    check_settings,
+    each,
+    greater_than,
+    in_range,
+    integer,
+    one_of,
+    optional,
+)
 from specdraft.system.errors import user_errors
 from specdraft.system.files import write_json_atomic
 from specdraft.system.hardware import detect_hardware, start
 from specdraft.system.locks import output_lock
 
 log = logging.getLogger(__name__)
+
+# specdraft-bench / -eval settings (conf/bench.yaml and its groups), checked before anything loads;
+# the methods' shapes and sizes are checked with them (eval/methods.py method_problems), the batch
+# sizes next (eval/batch.py check_batch_sizes, shared with the batched benchmark).
+BENCH_SETTINGS = {
+    "temperatures": each(at_least(0, integer=False)),
+    "top_p": in_range(0, 1, closed=(False, True)),
+    "top_k": at_least(0),
+    "max_new_tokens": at_least(1),
+    "max_minutes": optional(greater_than(0)),
+    "seed": integer(),
+    "threads": THREADS,
+    "head_dtype": optional(one_of("bfloat16", "float16", "float32")),
+    "graphs": one_of("auto", True, False),
+    **source_rules("prompts"),
+    "prompts.max_turns": optional(at_least(1)),
+    "prompts.per_category": optional(at_least(1)),
+    "prompts.heldout_fraction": in_range(0, 1, closed=(True, False)),
+    "shortlist.size": optional(at_least(1)),
+    **data_rules("shortlist"),
+    "shortlist.split_limit": optional(at_least(1)),
+    "auto_shape.calibration.prompts": at_least(1),
+    "auto_shape.calibration.max_prompt_tokens": at_least(1),
+    "auto_shape.calibration.new_tokens": at_least(1),
+    "auto_shape.latency.node_counts": each(at_least(1)),
+    "auto_shape.latency.past": at_least(0),
+    "auto_shape.latency.repeats": at_least(1),
+    "auto_shape.finalists": at_least(0),
+    "auto_shape.min_gain": at_least(0, integer=False),
+    "draft_model.num_layers": at_least(1),
+    "typical.epsilon": in_range(0, 1),
+    "typical.delta": in_range(0, 1),
+}
 
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="bench")
@@ -83,7 +127,9 @@ def _main(cfg: DictConfig, command: str) -> None:
 def run(cfg: DictConfig, command: str = "specdraft-bench") -> dict[str, Any]:
     """Decodes ``cfg.prompts`` with plain decoding and every method of ``cfg.methods``, interleaved
     per question, at every temperature; returns the report (the batched benchmark's with
-    ``batch_sizes``). Holds the run dir's lock (system/locks.py) throughout."""
+    ``batch_sizes``). Holds the run dir's lock (system/locks.py) throughout, taken once the
+    settings are checked."""
+    check_bench_settings(cfg)
     with output_lock(cfg.paths.output_dir, command):
         return run_locked(cfg, command)
 
@@ -132,6 +178,14 @@ def run_locked(cfg: DictConfig, command: str) -> dict[str, Any]:
         max_seconds=max_seconds,
         **run_settings,
     )
+
+
+def check_bench_settings(cfg: DictConfig) -> None:
+    """Every setting of a benchmark run within its allowed values (:data:`BENCH_SETTINGS`, each
+    method's shape and sizes, ``shape: auto``'s candidates), all reported in one error."""
+    candidates = OmegaConf.to_container(cfg.auto_shape.candidates, resolve=True)
+    auto = {"type": "head", "shape": {"kind": "auto", "candidates": candidates}}
+    check_settings(cfg, BENCH_SETTINGS, method_problems({**method_configs(cfg), "auto_shape": auto}))
 
 
 def configured_batch_sizes(cfg: DictConfig) -> list[int] | None:

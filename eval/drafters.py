@@ -87,6 +87,16 @@ class DynamicTree:
     def __post_init__(self) -> None:
         if self.depth < 1 or self.top_k < 1 or self.total_tokens < 2:
             raise ValueError(f"dynamic tree needs depth, top_k >= 1 and total_tokens >= 2, got {self}")
+        if self.total_tokens > self.max_total_tokens:
+            raise ValueError(
+                f"dynamic tree depth={self.depth}, top_k={self.top_k}: total_tokens={self.total_tokens} is "
+                f"more than the {self.max_total_tokens} nodes it can hold (1 + top_k + (depth - 1)·top_k²)"
+            )
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The root and every candidate the expansion drafts: the most nodes a tree can keep."""
+        return 1 + self.top_k + (self.depth - 1) * self.top_k**2
 
 
 TreeShape = Chain | StaticTree | DynamicTree

@@ -342,3 +342,42 @@ def build_method(
         target, heads, draft_model, shortlist, eos_ids, max_new_tokens, typical, choose_shape, compile, graphs
     )
     return METHOD_BUILDERS[kind](name, config, run)
+
+
+def method_problems(methods: Mapping[str, Mapping[str, Any] | None]) -> list[str]:
+    """What is wrong with each method's settings, found without loading anything (the command's
+    boundary check, before the target loads): its type, its tree shape built as decoding builds
+    it (a dynamic tree asking for more nodes than its depth and top_k hold), its lookahead and HF
+    sizes. One ``methods.<name>…: …`` line per problem; an empty list when all are usable."""
+    problems = []
+    for name, config in methods.items():
+        if config is None:
+            continue
+        try:
+            _check_method(name, config)
+        except (ValueError, TypeError, KeyError) as error:
+            problems.append(f"methods.{name}: {error}")
+    return problems
+
+
+def _check_method(name: str, config: Mapping[str, Any]) -> None:
+    kind = config.get("type")
+    if kind not in METHOD_BUILDERS:
+        raise ValueError(f"type must be one of {METHOD_TYPES}, got {kind!r}")
+    if kind == "head":
+        shape = dict(config.get("shape") or {})
+        shapes = (shape.get("candidates") or []) if shape.get("kind") == AUTO else [shape]
+        for candidate in shapes:
+            tree_shape(candidate)
+        shortlist = config.get("shortlist", False)
+        if not isinstance(shortlist, bool) and not (isinstance(shortlist, int) and shortlist > 0):
+            raise ValueError(f"shortlist must be true, false or a positive token count, got {shortlist!r}")
+    elif kind == "draft_model":
+        Chain(depth=int(config.get("depth", 0)), threshold=config.get("threshold"))
+    elif kind == "lookahead":
+        Lookahead(**{key: config[key] for key in ("window", "ngram", "guesses", "pool_per_token")})
+    elif kind == "hf":
+        for key in ("prompt_lookup_tokens", "assistant_tokens"):
+            value = config.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{key}={value!r}: expected null or an integer >= 1")

@@ -57,6 +57,7 @@ def read_spec_bench(
         raise FileNotFoundError(f"prompt file {path} does not exist (set prompts.path)")
     wanted = set(categories) if categories else None
     questions, seen_categories, taken = [], set(), Counter()
+    lines_of: dict[str, list[int]] = {}  # question id -> the lines holding it
     with path.open(encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
@@ -71,12 +72,14 @@ def read_spec_bench(
                 raise ValueError(f"{where}: field 'turns' must be a non-empty list of non-empty strings")
             category = str(record.get("category", "default"))
             seen_categories.add(category)
+            lines_of.setdefault(str(record.get("question_id", line_number)), []).append(line_number)
             if (wanted is None or category in wanted) and (
                 per_category is None or taken[category] < per_category
             ):
                 taken[category] += 1
                 question_id = str(record.get("question_id", line_number))
                 questions.append(Question(question_id, category, tuple(turns[:max_turns])))
+    check_unique_ids(path, lines_of)
     if wanted and not wanted <= seen_categories:
         raise ValueError(
             f"{path}: no question of categories {sorted(wanted - seen_categories)}; "
@@ -85,6 +88,21 @@ def read_spec_bench(
     if per_category is not None:
         questions = round_robin(questions)
     return questions[:limit]
+
+
+def check_unique_ids(path: Path, lines_of: dict[str, list[int]]) -> None:
+    """Question ids key a run's records (what a resume skips): a repeated id would make the
+    questions sharing it count as done once one of them is. Refuse the file, naming the ids."""
+    repeated = {i: lines for i, lines in lines_of.items() if len(lines) > 1}
+    if repeated:
+        shown = ", ".join(
+            f"{i!r} (lines {', '.join(map(str, lines))})" for i, lines in list(repeated.items())[:5]
+        )
+        more = f" and {len(repeated) - 5} more" if len(repeated) > 5 else ""
+        raise ValueError(
+            f"{path}: question ids must be unique (they key the records a resume skips); "
+            f"repeated: {shown}{more}"
+        )
 
 
 def round_robin(questions: Sequence[Question]) -> list[Question]:

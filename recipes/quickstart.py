@@ -30,20 +30,65 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from specdraft.data.settings import THREADS
 from specdraft.recipes.budget import Plan, clock, describe, retime_training
 from specdraft.recipes.plan import load_or_make_plan, record_retimed_plan
 from specdraft.recipes.probe import Throughput
 from specdraft.recipes.stages import MT_BENCH_CATEGORIES, Stage, run_name, stages
+from specdraft.system.checks import (
+    at_least,
+    check_settings,
+    each,
+    either,
+    greater_than,
+    in_range,
+    one_of,
+    optional,
+)
 from specdraft.system.errors import user_errors
 from specdraft.system.files import write_json_atomic
 from specdraft.system.hardware import start
 from specdraft.system.names import check_path_component
+
+# specdraft-quickstart settings (conf/quickstart.yaml), checked before the probe; each stage's own
+# command checks the settings it is given again.
+QUICKSTART_SETTINGS = {
+    "budget_minutes": greater_than(0),
+    "conversations": optional(at_least(1)),
+    "train_steps": optional(at_least(1)),
+    "budget.margin": in_range(0, 1, closed=(True, False)),
+    "budget.eval_share": in_range(0, 1, closed=(True, False)),
+    "budget.eval_tau": at_least(1, integer=False),
+    "budget.eval_draft_per_depth": at_least(0, integer=False),
+    "budget.eval_safety": at_least(1, integer=False),
+    "budget.eval_min_minutes": greater_than(0),
+    "budget.data_share": in_range(0, 1, closed=(False, False)),
+    "budget.answer_tokens": greater_than(0),
+    "budget.min_conversations": at_least(1),
+    "budget.min_train_steps": at_least(1),
+    "budget.validations": at_least(0),
+    "budget.probe.regen_new_tokens": at_least(2),  # the first step is not timed
+    "budget.probe.cache_tokens": at_least(1),
+    "budget.probe.train_steps": at_least(3),  # timed start to start, the first is not timed
+    "heldout_fraction": in_range(0, 1, closed=(False, False)),
+    "regen.max_new_tokens": at_least(1),
+    "regen.max_prompt_tokens": at_least(1),
+    "regen.batch_size": either(one_of("auto"), at_least(1)),
+    "top_k": at_least(0),
+    "eval.per_category": at_least(1),
+    "eval.max_turns": optional(at_least(1)),
+    "eval.max_new_tokens": at_least(1),
+    "eval.temperatures": each(at_least(0, integer=False)),
+    "eval.max_minutes": optional(greater_than(0)),
+    "threads": THREADS,
+}
 
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="quickstart")
 @user_errors("specdraft-quickstart")
 def main(cfg: DictConfig) -> None:
     check_path_component(cfg.name, "name")  # the stages' run names, before anything is written
+    check_settings(cfg, QUICKSTART_SETTINGS)
     hardware = start("specdraft-quickstart", cfg.threads).hardware
     if not Path(cfg.eval.mt_bench).is_file():
         print(

@@ -91,19 +91,19 @@ def corrupt_checkpoint(tmp_path: Path) -> Path:
             export.main,
             "specdraft-export",
             lambda t: ["target=tiny_random", f"checkpoint={t / 'missing.ckpt'}", "format=nonsense"],
-            "format='nonsense'; expected one of",
+            "format=nonsense: expected one of",
         ),
         (
             cache_cli.main,
             "specdraft-cache",
             lambda t: ["target=tiny_random", "data=tiny", "mode=bogus", f"out_dir={t / 'cache'}"],
-            "mode must be 'write' or 'validate', got 'bogus'",
+            "mode=bogus: expected one of write, validate",
         ),
         (
             regen_cli.main,
             "specdraft-regen",
             lambda t: ["target=tiny_random", "data=tiny", "batch_size=0", f"out_path={t / 'out.jsonl'}"],
-            "batch_size must be >= 1 or 'auto', got 0",
+            "batch_size=0: expected one of auto or an integer >= 1",
         ),
         (
             train_cli.main,
@@ -115,7 +115,7 @@ def corrupt_checkpoint(tmp_path: Path) -> Path:
                 "resume=maybe",
                 f"paths.output_dir={t}",
             ],
-            "resume must be auto, true or false, got 'maybe'",
+            "resume=maybe: expected one of auto, true, false",
         ),
         (
             train_cli.main,

@@ -157,3 +157,91 @@ def test_named_inline_and_unknown_shapes():
         method_configs(compose_bench("methods=head", "methods.head.shape=${shapes.eagle2_13}"))
     with pytest.raises(ValueError, match=r"\$\{shapes\.eagle2_12\}"):
         method_configs(compose_bench("methods=head", "methods.head.shape=eagle2_12"))
+
+
+EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+GROUPS = {
+    group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    for group in ("head", "loss", "optim", "scheduler", "trainer", "datamodule", "data", "debug")
+}
+
+
+def sweep_points(name: str) -> list[str]:
+    """Every single value the hparams_search preset ``name`` sweeps, as an override."""
+    params = (
+        OmegaConf.load(CONF_DIR / "hparams_search" / f"{name}.yaml")
+        .hydra.get("sweeper", {})
+        .get("params", {})
+    )
+    return [f"{key}={value}" for key, values in params.items() for value in str(values).split(",")]
+
+
+TRAIN_COMPOSITIONS = (
+    [[f"experiment={e}"] for e in EXPERIMENTS]
+    + [[f"experiment={e}", "debug=smoke"] for e in EXPERIMENTS]
+    + [[f"{group}={choice}"] for group, choices in GROUPS.items() for choice in choices]
+    + [
+        [f"hparams_search={p.stem}", point]
+        for p in sorted((CONF_DIR / "hparams_search").glob("*.yaml"))
+        for point in sweep_points(p.stem) or [""]
+    ]
+)
+
+
+@pytest.mark.parametrize("overrides", TRAIN_COMPOSITIONS, ids=" ".join)
+def test_every_composed_train_config_passes_the_train_checks(tmp_path, overrides):
+    """Each experiment, group choice, debug preset and swept value is within the ranges
+    specdraft-train checks at its boundary (train/cli.py TRAIN_SETTINGS)."""
+    from specdraft.system.checks import check_settings
+    from specdraft.train.cli import TRAIN_SETTINGS
+    from tests.conftest import compose_train
+
+    cfg = compose_train(tmp_path, *[o for o in overrides if o])
+    check_settings(cfg, TRAIN_SETTINGS)
+
+
+def compose_command(name: str, *overrides: str):
+    with initialize_config_module(config_module="specdraft.conf", version_base="1.3"):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+COMMAND_COMPOSITIONS = (
+    [("bench", [f"methods={m}", f"prompts={p}"]) for m in METHODS for p in ("tiny", "mt_bench")]
+    + [("bench", [f"prompts={p}"]) for p in sorted(q.stem for q in (CONF_DIR / "prompts").glob("*.yaml"))]
+    + [("eval", [f"target={t}"]) for t in TARGETS]
+    + [
+        (name, [f"data={d}", f"target={t}"])
+        for name in ("cache", "regen", "prepare")
+        for d in DATA
+        for t in TARGETS
+    ]
+    + [("export", [f"format={f}"]) for f in ("native", "eagle", "vllm", "speculators", "sglang", "medusa")]
+    + [("quickstart", [])]
+)
+
+
+@pytest.mark.parametrize(
+    "name,overrides", COMMAND_COMPOSITIONS, ids=lambda v: v if isinstance(v, str) else " ".join(v)
+)
+def test_every_composed_command_config_passes_its_checks(name, overrides):
+    """The defaults and every preset of each command are within the ranges it checks at its
+    boundary (the table next to its entry point)."""
+    from specdraft.data import cache_cli, prepare, regen_cli
+    from specdraft.eval import cli as eval_cli
+    from specdraft.recipes import quickstart
+    from specdraft.system.checks import check_settings
+    from specdraft.train import export
+
+    checkpoint = ["checkpoint=head.ckpt"] if name in ("bench", "eval", "export") else []
+    cfg = compose_command(name, *checkpoint, *overrides)
+    if name in ("bench", "eval"):
+        eval_cli.check_bench_settings(cfg)
+        return
+    tables = {
+        "cache": cache_cli.CACHE_SETTINGS,
+        "regen": regen_cli.REGEN_SETTINGS,
+        "prepare": prepare.PREPARE_SETTINGS,
+        "export": export.EXPORT_SETTINGS,
+        "quickstart": quickstart.QUICKSTART_SETTINGS,
+    }
+    check_settings(cfg, tables[name])

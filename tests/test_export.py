@@ -336,7 +336,7 @@ def test_specdraft_export_from_a_run_dir_then_specdraft_eval_loads_it(target, tm
     (run_dir / "summary.json").unlink()  # no best recorded: the last checkpoint
     out = export(compose_export(tmp_path, f"checkpoint={run_dir}", "format=vllm", "dtype=bfloat16"))
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
-    with pytest.raises(FormatError, match="dtype='half'"):
+    with pytest.raises(ValueError, match="dtype=half: expected null or one of bfloat16, float16, float32"):
         export(compose_export(tmp_path, f"checkpoint={run_dir}", "dtype=half"))
     with pytest.raises(FileNotFoundError, match="no such file or run directory"):
         export(compose_export(tmp_path, f"checkpoint={tmp_path / 'nowhere'}"))

@@ -34,11 +34,23 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from specdraft.data.cache import stored_top_k
 from specdraft.data.datamodule import FeatureDataModule
+from specdraft.data.settings import THREADS, data_rules
 from specdraft.data.target import Target, target_weights
 from specdraft.heads.formats import read_head
 from specdraft.heads.interface import DraftHead
 from specdraft.heads.registry import build_head, config_record
 from specdraft.heads.vocab import draft_vocab_from_counts
+from specdraft.system.checks import (
+    at_least,
+    check_settings,
+    each,
+    either,
+    greater_than,
+    in_range,
+    integer,
+    one_of,
+    optional,
+)
 from specdraft.system.errors import user_errors
 from specdraft.system.files import write_json_atomic
 from specdraft.system.hardware import start
@@ -52,6 +64,52 @@ from specdraft.train.run_dir import FINAL_CHECKPOINT, RunDirError, lead_process,
 
 log = logging.getLogger(__name__)
 
+# specdraft-train settings (the train config and the groups it composes), checked before anything
+# loads or is written. -1 is Lightning's "no limit" for max_steps / max_epochs (and no decay).
+UNLIMITED = -1
+TRAIN_SETTINGS = {
+    "seed": integer(),
+    "threads": THREADS,
+    "resume": one_of("auto", True, False),
+    **data_rules(),
+    "datamodule.mode": one_of("online", "cached"),
+    "datamodule.top_k": at_least(0),
+    "datamodule.max_batch_tokens": at_least(1),
+    "datamodule.num_workers": either(one_of("auto"), at_least(0)),
+    "datamodule.noise.amplitude": optional(at_least(0, integer=False)),
+    "datamodule.supervise": one_of("assistant", "all"),
+    "datamodule.heldout_fraction": in_range(0, 1, closed=(True, False)),
+    "datamodule.max_length": at_least(1),
+    "datamodule.seed": integer(),
+    "head.config.num_heads": at_least(1),
+    "head.config.num_layers": at_least(1),
+    "head.config.draft_vocab_size": at_least(1),
+    "loss.weights.*": at_least(0, integer=False),
+    "loss.weights.topk_k": at_least(1),
+    "loss.rollout.steps": at_least(1),
+    "loss.rollout.step_weight_base": greater_than(0),
+    "loss.eval_steps": at_least(1),
+    "loss.chunk_size": at_least(1),
+    "loss.draft_vocab_size": optional(at_least(1)),
+    "loss.rollout_vocab_size": optional(at_least(1)),
+    "optim.lr": at_least(0, integer=False),  # 0: frozen weights (tests of init_from)
+    "optim.weight_decay": at_least(0, integer=False),
+    "optim.betas": each(in_range(0, 1, closed=(True, False))),
+    "scheduler.warmup_steps": at_least(0),
+    "scheduler.total_steps": either(one_of(UNLIMITED), at_least(1)),
+    "scheduler.min_lr_ratio": in_range(0, 1),
+    "trainer.max_steps": either(one_of(UNLIMITED), at_least(1)),
+    "trainer.max_epochs": optional(either(one_of(UNLIMITED), at_least(1))),
+    "trainer.val_check_interval": optional(either(at_least(1), in_range(0, 1, closed=(False, True)))),
+    "trainer.limit_val_batches": either(at_least(0), in_range(0, 1)),
+    "trainer.log_every_n_steps": at_least(1),
+    "trainer.gradient_clip_val": optional(at_least(0, integer=False)),
+    "trainer.accumulate_grad_batches": at_least(1),
+    "trainer.num_nodes": at_least(1),
+    "callbacks.deadline.minutes": greater_than(0),
+    "callbacks.last_checkpoint.every_n_train_steps": at_least(1),
+}
+
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="train")
 @user_errors("specdraft-train")
@@ -61,7 +119,9 @@ def main(cfg: DictConfig) -> None:
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Train (or resume) the run in ``cfg.paths.output_dir``, holding its lock (system/locks.py;
-    a distributed launcher's other ranks run inside the lead's); the run's summary."""
+    a distributed launcher's other ranks run inside the lead's) once its settings are checked;
+    the run's summary."""
+    check_settings(cfg, TRAIN_SETTINGS)
     with output_lock(cfg.paths.output_dir, "specdraft-train") if lead_process() else nullcontext():
         return train_locked(cfg)
 

@@ -23,8 +23,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from specdraft.data.target import Target, target_weights
-from specdraft.heads.formats import FORMATS, FormatError, read_checkpoint, read_export, write_export
+from specdraft.heads.formats import FORMATS, read_checkpoint, read_export, write_export
 from specdraft.heads.formats.files import CONFIG_FILE, check_destination
+from specdraft.system.checks import at_least, check_settings, one_of, optional
 from specdraft.system.errors import user_errors
 from specdraft.system.hardware import start
 from specdraft.system.locks import output_lock
@@ -32,6 +33,13 @@ from specdraft.train.run_dir import LAST_CHECKPOINT
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# specdraft-export settings (conf/export.yaml), checked before anything is read or written.
+EXPORT_SETTINGS = {
+    "format": one_of(*sorted(FORMATS)),
+    "dtype": optional(one_of(*DTYPES)),
+    "overwrite": one_of(True, False),
+    "speculative_tokens": at_least(1),
+}
 
 
 @hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="export")
@@ -41,10 +49,7 @@ def main(cfg: DictConfig) -> None:
 
 
 def export(cfg: DictConfig) -> Path:
-    if cfg.format not in FORMATS:
-        raise FormatError(f"format={cfg.format!r}; expected one of {sorted(FORMATS)}")
-    if cfg.dtype is not None and cfg.dtype not in DTYPES:
-        raise FormatError(f"dtype={cfg.dtype!r}; expected null or one of {sorted(DTYPES)}")
+    check_settings(cfg, EXPORT_SETTINGS)
     source = Path(cfg.checkpoint)
     from_export = (source / CONFIG_FILE).is_file()
     checkpoint = source if from_export else resolve_checkpoint(source)
