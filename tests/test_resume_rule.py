@@ -110,8 +110,9 @@ def run_to_the_end(entry, command: str, *args: str, monkeypatch) -> None:
 def test_a_refused_eval_leaves_nothing_that_blocks_its_corrected_rerun_nor_a_new_progress_or_threads(
     tmp_path, monkeypatch, capsys
 ):
-    """specdraft-eval refused for a bad temperature after its settings were stored; the corrected
-    command runs; re-runs changing only progress, or only threads, resume (no question twice)."""
+    """specdraft-eval refused for a bad temperature, before anything is written; settings stored by
+    a run refused later bind nothing while no record exists: the corrected command runs; re-runs
+    changing only progress, or only threads, resume (no question twice)."""
     run_dir = tmp_path / "bench" / "eval-tiny"
     args = [
         f"checkpoint={save_tiny_checkpoint(tmp_path / 'head.ckpt')}",
@@ -132,7 +133,10 @@ def test_a_refused_eval_leaves_nothing_that_blocks_its_corrected_rerun_nor_a_new
         monkeypatch=monkeypatch,
         capsys=capsys,
     )
-    assert "temperature" in line and (run_dir / "run_config.json").is_file()
+    # Refused before anything was written (Hydra's own .hydra/ aside).
+    assert "temperature" in line and not (run_dir / "run_config.json").exists()
+    # Settings stored by a run refused later, inside its work, bind nothing while no record exists:
+    (run_dir / "run_config.json").write_text(json.dumps({"temperatures": [-1.0], "max_new_tokens": 3}))
     run_to_the_end(eval_cli.eval_main, "specdraft-eval", *args, "temperatures=[0.0]", monkeypatch=monkeypatch)
     records = (run_dir / "records.jsonl").read_bytes()
     for change in ("progress=true", "threads=1"):
