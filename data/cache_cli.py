@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 
-import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -18,14 +17,13 @@ from specdraft.data.cache import StoredFields, finalize_manifest, validate_cache
 from specdraft.data.chat import tokenize_conversations
 from specdraft.data.conversations import select_conversations
 from specdraft.data.packed_linear import pack_linear_weights
-from specdraft.system.errors import user_errors
+from specdraft.system.errors import hydra_command
 from specdraft.system.hardware import start
 
 log = logging.getLogger(__name__)
 
 
-@hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="cache")
-@user_errors("specdraft-cache")
+@hydra_command("specdraft-cache", "cache")
 def main(cfg: DictConfig) -> None:
     start("specdraft-cache", cfg.threads, cfg.target)
     if cfg.mode == "validate":

@@ -18,7 +18,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import hydra
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -29,15 +28,14 @@ from specdraft.data.conversations import split_conversations
 from specdraft.data.features import collate, extract_features, length_batches, pad_token_id
 from specdraft.data.regen import GenerationSettings, TargetResponder
 from specdraft.data.target import Target
-from specdraft.system.errors import user_errors
+from specdraft.system.errors import hydra_command
 from specdraft.system.files import write_json_atomic
 from specdraft.system.hardware import start
 
 log = logging.getLogger(__name__)
 
 
-@hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="prepare")
-@user_errors("specdraft-prepare")
+@hydra_command("specdraft-prepare", "prepare")
 def main(cfg: DictConfig) -> None:
     start("specdraft-prepare", cfg.threads, cfg.target)
     started = time.perf_counter()

@@ -13,7 +13,6 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -32,15 +31,14 @@ from specdraft.data.regen import (
     resolve_batch_size,
     resolve_chunk_size,
 )
-from specdraft.system.errors import user_errors
+from specdraft.system.errors import hydra_command
 from specdraft.system.files import write_json_atomic
 from specdraft.system.hardware import start
 
 log = logging.getLogger(__name__)
 
 
-@hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="regen")
-@user_errors("specdraft-regen")
+@hydra_command("specdraft-regen", "regen")
 def main(cfg: DictConfig) -> None:
     start("specdraft-regen", cfg.threads, cfg.target)
     settings = GenerationSettings(**cfg.generation)

@@ -16,7 +16,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -47,21 +46,19 @@ from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.shortlist import cached_assistant_counts
 from specdraft.heads.vocab import draft_vocab_from_counts
-from specdraft.system.errors import user_errors
+from specdraft.system.errors import hydra_command
 from specdraft.system.files import write_json_atomic
 from specdraft.system.hardware import detect_hardware, start
 
 log = logging.getLogger(__name__)
 
 
-@hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="bench")
-@user_errors("specdraft-bench")
+@hydra_command("specdraft-bench", "bench")
 def bench_main(cfg: DictConfig) -> None:
     _main(cfg, "specdraft-bench")
 
 
-@hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="eval")
-@user_errors("specdraft-eval")
+@hydra_command("specdraft-eval", "eval")
 def eval_main(cfg: DictConfig) -> None:
     _main(cfg, "specdraft-eval")
 

@@ -27,20 +27,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig
 
 from specdraft.recipes.budget import Plan, clock, describe, retime_training
 from specdraft.recipes.plan import load_or_make_plan, record_retimed_plan
 from specdraft.recipes.probe import Throughput
 from specdraft.recipes.stages import MT_BENCH_CATEGORIES, Stage, run_name, stages
-from specdraft.system.errors import user_errors
+from specdraft.system.errors import hydra_command
 from specdraft.system.files import write_json_atomic
 from specdraft.system.hardware import start
 
 
-@hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="quickstart")
-@user_errors("specdraft-quickstart")
+@hydra_command("specdraft-quickstart", "quickstart")
 def main(cfg: DictConfig) -> None:
     hardware = start("specdraft-quickstart", cfg.threads).hardware
     if not Path(cfg.eval.mt_bench).is_file():

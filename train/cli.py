@@ -23,7 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import hydra
 import lightning as L
 import torch
 from hydra.utils import instantiate
@@ -37,7 +36,7 @@ from specdraft.heads.formats import read_head
 from specdraft.heads.interface import DraftHead
 from specdraft.heads.registry import build_head, config_record
 from specdraft.heads.vocab import draft_vocab_from_counts
-from specdraft.system.errors import user_errors
+from specdraft.system.errors import hydra_command
 from specdraft.system.files import write_json_atomic
 from specdraft.system.hardware import start
 from specdraft.train.callbacks import ThroughputMonitor, TrainingDeadline, peak_memory_bytes
@@ -50,8 +49,7 @@ from specdraft.train.run_dir import FINAL_CHECKPOINT, prepare_run_dir
 log = logging.getLogger(__name__)
 
 
-@hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="train")
-@user_errors("specdraft-train")
+@hydra_command("specdraft-train", "train")
 def main(cfg: DictConfig) -> None:
     train(cfg)
 

@@ -17,7 +17,6 @@ import json
 import logging
 from pathlib import Path
 
-import hydra
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
@@ -25,7 +24,7 @@ from omegaconf import DictConfig
 from specdraft.data.target import Target, target_weights
 from specdraft.heads.formats import FORMATS, FormatError, read_checkpoint, read_export, write_export
 from specdraft.heads.formats.files import CONFIG_FILE, check_destination
-from specdraft.system.errors import user_errors
+from specdraft.system.errors import hydra_command
 from specdraft.system.hardware import start
 from specdraft.train.run_dir import LAST_CHECKPOINT
 
@@ -33,8 +32,7 @@ log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-@hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="export")
-@user_errors("specdraft-export")
+@hydra_command("specdraft-export", "export")
 def main(cfg: DictConfig) -> None:
     export(cfg)
 
