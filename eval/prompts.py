@@ -18,6 +18,7 @@ from pathlib import Path
 
 from specdraft.data.assets import find_package_file
 from specdraft.data.conversations import read_bundled_sharegpt, split_conversations
+from specdraft.system.files import open_utf8
 
 MT_BENCH_CATEGORIES = (
     "writing",
@@ -57,7 +58,7 @@ def read_spec_bench(
         raise FileNotFoundError(f"prompt file {path} does not exist (set prompts.path)")
     wanted = set(categories) if categories else None
     questions, seen_categories, taken = [], set(), Counter()
-    with path.open(encoding="utf-8") as handle:
+    with open_utf8(path) as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue

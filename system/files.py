@@ -10,17 +10,19 @@ only: ``specdraft.heads`` writes its exports with it.
   differ: the keys a job lists as ``may_change`` — how long or where it runs, never what it
   computes (a time box, a logger, a progress bar) — each as a dotted key that covers its subkeys.
   Used by training runs, the benchmark, the feature cache and regeneration.
-* file checksums.
+* file checksums;
+* a user's text file read line by line, so that a non-UTF-8 byte names its file and line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -181,3 +183,23 @@ def check_or_store_settings(
             + "\n  ".join(differences)
         )
     return True
+
+
+@contextlib.contextmanager
+def open_utf8(path: str | os.PathLike) -> Iterator[Iterator[str]]:
+    """The lines of a UTF-8 text file (``with open_utf8(p) as lines: for line in lines``), decoded
+    one by one: a line that is not UTF-8 raises a ``ValueError`` naming the file and the line
+    (Python's own error names neither)."""
+    with open(path, "rb") as handle:
+
+        def lines() -> Iterator[str]:
+            for line_number, raw in enumerate(handle, start=1):
+                try:
+                    yield raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    raise ValueError(
+                        f"{path}:{line_number}: not UTF-8 text (byte {raw[error.start]:#04x} at"
+                        f" column {error.start + 1}; expected a UTF-8 encoded file)"
+                    ) from None
+
+        yield lines()
