@@ -38,6 +38,29 @@ def hydra_args(tmp_path: Path) -> list[str]:
     return [f"hydra.run.dir={tmp_path / 'hydra'}", "hydra/job_logging=none", "hydra/hydra_logging=none"]
 
 
+LATIN1_LINES = '{}\n{"id": "café"}\n'.encode("latin-1")  # line 2, column 12: é in Latin-1
+
+
+def write_file(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def checkpoint_without_state_dict(tmp_path: Path) -> Path:
+    path = save_tiny_checkpoint(tmp_path / "no-state.ckpt")
+    checkpoint = torch.load(path, weights_only=True)
+    del checkpoint["state_dict"]
+    torch.save(checkpoint, path)
+    return path
+
+
+def truncated_export(tmp_path: Path) -> Path:
+    write_file(tmp_path / "export" / "config.json", b"{}")
+    write_file(tmp_path / "export" / "model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    return tmp_path / "export"
+
+
 def corrupt_checkpoint(tmp_path: Path) -> Path:
     path = tmp_path / "corrupt.ckpt"
     path.write_bytes(b"PK\x03\x04 truncated")
@@ -158,6 +181,79 @@ def corrupt_checkpoint(tmp_path: Path) -> Path:
             ],
             "heldout_fraction",
         ),
+        (  # Hydra's own error, before the job: an unknown key
+            train_cli.main,
+            "specdraft-train",
+            lambda t: ["experiment=eagle", "target=tiny_random", "optim.bogus=1", f"paths.output_dir={t}"],
+            "Could not override 'optim.bogus'",
+        ),
+        (  # Hydra's own error: bad override syntax
+            export.main,
+            "specdraft-export",
+            lambda t: ["target=tiny_random", "format=["],
+            "no viable alternative at input '['",
+        ),
+        (  # an instantiate error: a missing prompts file, named with its key and _target_
+            eval_cli.eval_main,
+            "specdraft-eval",
+            lambda t: [
+                "target=tiny_random",
+                "prompts=mt_bench",
+                f"prompts.path={t / 'missing.jsonl'}",
+                f"checkpoint={t / 'missing.ckpt'}",
+            ],
+            "missing.jsonl does not exist (set prompts.path) (instantiating _target_",
+        ),
+        (
+            eval_cli.eval_main,
+            "specdraft-eval",
+            lambda t: [
+                "target=tiny_random",
+                "prompts=tiny",
+                f"checkpoint={checkpoint_without_state_dict(t)}",
+            ],
+            "no-state.ckpt: not a specdraft training checkpoint (expected a 'specdraft' record and a state",
+        ),
+        (
+            eval_cli.eval_main,
+            "specdraft-eval",
+            lambda t: ["target=tiny_random", "prompts=tiny", f"checkpoint={truncated_export(t)}"],
+            "model.safetensors: not a readable safetensors file",
+        ),
+        (  # a truncated last.ckpt on resume, refused before Lightning reads it
+            train_cli.main,
+            "specdraft-train",
+            lambda t: [
+                "experiment=eagle",
+                "debug=smoke",
+                "target=tiny_random",
+                f"paths.output_dir={t}",
+                f"+touch={write_file(t / 'checkpoints' / 'last.ckpt', b'PK')}",
+            ],
+            "last.ckpt: not a specdraft checkpoint",
+        ),
+        (
+            cache_cli.main,
+            "specdraft-cache",
+            lambda t: [
+                "target=tiny_random",
+                "data=jsonl",
+                f"data.source.path={t / 'gone.jsonl'}",
+                f"out_dir={t}",
+            ],
+            "gone.jsonl: No such file or directory (expected an existing path)",
+        ),
+        (
+            regen_cli.main,
+            "specdraft-regen",
+            lambda t: [
+                "target=tiny_random",
+                "data=jsonl",
+                f"data.source.path={write_file(t / 'latin1.jsonl', LATIN1_LINES)}",
+                f"out_path={t / 'out.jsonl'}",
+            ],
+            "latin1.jsonl:2: not UTF-8 text (byte 0xe9 at column 12; expected a UTF-8 encoded file)",
+        ),
         (sweep_report.main, "specdraft-sweep-report", lambda t: [str(t / "no-sweep-here")], "no-sweep-here"),
         (
             depth_acceptance.main,
@@ -174,9 +270,15 @@ def test_user_errors_are_one_line_with_exit_code_2(
     hydra = (
         [] if command in ("specdraft-sweep-report", "specdraft-depth-acceptance") else hydra_args(tmp_path)
     )
-    line = run_command(entry, command, *args(tmp_path), *hydra, monkeypatch=monkeypatch, capsys=capsys)
-    assert expected in line, line
-    assert "Traceback" not in capsys.readouterr().err
+    GlobalHydra.instance().clear()
+    monkeypatch.setattr(sys, "argv", [command, *args(tmp_path), *hydra])
+    with pytest.raises(SystemExit) as stop:
+        entry()
+    err = capsys.readouterr().err
+    assert stop.value.code == USER_ERROR_EXIT_CODE, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"{command}: error: "), lines[-3:]
+    assert expected in lines[0], lines[0]
 
 
 def test_the_traceback_shows_with_the_debug_flag_and_bugs_keep_theirs(monkeypatch, capsys):

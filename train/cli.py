@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from specdraft.data.cache import stored_top_k
 from specdraft.data.datamodule import FeatureDataModule
 from specdraft.data.target import Target, target_weights
-from specdraft.heads.formats import read_head
+from specdraft.heads.formats import read_checkpoint, read_head
 from specdraft.heads.interface import DraftHead
 from specdraft.heads.registry import build_head, config_record
 from specdraft.heads.vocab import draft_vocab_from_counts
@@ -59,6 +59,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     features_for_objective(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resume_from = prepare_run_dir(run_dir, resolved, cfg.resume, list(cfg.resume_ignore))
+    if resume_from:  # a truncated or foreign last.ckpt: one line naming it, before Lightning reads it
+        read_checkpoint(resume_from)
     finished = finished_summary(run_dir, cfg.trainer.max_steps) if resume_from else None
     if finished is not None:
         # Fitting again from the last checkpoint would rewrite the summary with a zero-second fit
