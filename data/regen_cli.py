@@ -45,6 +45,12 @@ def main(cfg: DictConfig) -> None:
     source = instantiate(cfg.data.source)
     data = OmegaConf.to_container(cfg.data, resolve=True)
     conversations, description = select_conversations(source.conversations, data, cfg.split, cfg.limit)
+    if not conversations:  # name the input: the output would otherwise be the only file named
+        raise ValueError(
+            f"{source.report.source}: no conversation to regenerate in the {cfg.split} split "
+            f"({source.report.records} records read, {source.report.kept} kept); expected conversations "
+            "with a user turn and an assistant turn (data.source)"
+        )
     if cfg.features.dir is not None and cfg.backend != "target":
         raise ValueError("features.dir: features are captured by the target backend only (backend=target)")
     writer = None

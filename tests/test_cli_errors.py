@@ -4,6 +4,7 @@ console script does, on the tiny target."""
 
 from __future__ import annotations
 
+import errno
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -11,14 +12,23 @@ from pathlib import Path
 import pytest
 import torch
 from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from safetensors.torch import save_file
 
 from specdraft.data import cache_cli, prepare, regen_cli
+from specdraft.data.cache import CacheError
+from specdraft.data.cache_dataset import FeatureCache
+from specdraft.data.chat import ChatTemplateError, tokenize_conversations
+from specdraft.data.conversations import Conversation, Message
+from specdraft.data.tiny import tiny_random_target, tiny_tokenizer
 from specdraft.eval import cli as eval_cli
 from specdraft.recipes import depth_acceptance, quickstart, sweep_report
-from specdraft.system.errors import USER_ERROR_EXIT_CODE, user_errors
+from specdraft.system.errors import USER_ERROR_EXIT_CODE, user_errors, user_message
 from specdraft.train import cli as train_cli
 from specdraft.train import export
 from tests.test_bench import save_tiny_checkpoint
+from tests.test_cache import samples_for, write
 
 
 def run_command(entry: Callable[[], None], command: str, *args: str, monkeypatch, capsys) -> str:
@@ -39,6 +49,9 @@ def hydra_args(tmp_path: Path) -> list[str]:
 
 
 LATIN1_LINES = '{}\n{"id": "café"}\n'.encode("latin-1")  # line 2, column 12: é in Latin-1
+
+
+USER_ONLY_LINE = b'{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n'
 
 
 def write_file(path: Path, data: bytes) -> Path:
@@ -254,6 +267,17 @@ def corrupt_checkpoint(tmp_path: Path) -> Path:
             ],
             "latin1.jsonl:2: not UTF-8 text (byte 0xe9 at column 12; expected a UTF-8 encoded file)",
         ),
+        (  # the input has no assistant turn: the input is named, not the output
+            regen_cli.main,
+            "specdraft-regen",
+            lambda t: [
+                "target=tiny_random",
+                "data=jsonl",
+                f"data.source.path={write_file(t / 'asks.jsonl', USER_ONLY_LINE)}",
+                f"out_path={t / 'out.jsonl'}",
+            ],
+            "asks.jsonl: no conversation to regenerate in the train split (1 records read, 0 kept)",
+        ),
         (sweep_report.main, "specdraft-sweep-report", lambda t: [str(t / "no-sweep-here")], "no-sweep-here"),
         (
             depth_acceptance.main,
@@ -320,3 +344,48 @@ def test_an_error_raised_in_a_dataloader_worker_keeps_only_its_own_message(capsy
     with pytest.raises(SystemExit):
         load()
     assert capsys.readouterr().err == "specdraft-demo: error: shard 3: expected input_ids,; got nothing\n"
+
+
+def test_os_errors_naming_a_file_are_user_errors_and_bare_ones_bugs():
+    """An OSError with a filename is the user's environment (named, with what was expected); one
+    without is a bug and keeps its traceback; so does an instantiation failing on a bug."""
+    denied = user_message(PermissionError(errno.EACCES, "Permission denied", "/runs/x"))
+    assert denied == "/runs/x: Permission denied (expected a path this user may read and write)"
+    read_only = user_message(OSError(errno.EROFS, "Read-only file system", "/mnt/ro/out.jsonl"))
+    assert read_only == "/mnt/ro/out.jsonl: Read-only file system (expected a writable file system)"
+    assert user_message(OSError(errno.EINVAL, "Invalid argument")) is None
+    try:
+        instantiate({"_target_": "builtins.int", "_args_": ["x"]})
+    except InstantiationException as error:
+        assert user_message(error) == (
+            "invalid literal for int() with base 10: 'x' (instantiating _target_ builtins.int)"
+        )
+    try:
+        instantiate({"_target_": "builtins.len", "_args_": [3]})
+    except InstantiationException as error:
+        assert user_message(error) is None  # TypeError: a bug, not the user's
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_in_one_line():
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = None
+    conversation = Conversation("a", (Message("user", "q"), Message("assistant", "a")))
+    with pytest.raises(ChatTemplateError, match="has no chat_template: expected a chat model's tokenizer"):
+        tokenize_conversations(tokenizer, [conversation], progress=False)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing key"])
+def test_a_damaged_cache_shard_is_named_with_the_key(tmp_path, damage):
+    target = tiny_random_target()
+    write(target, samples_for(target, count=4), tmp_path)
+    cache = FeatureCache(tmp_path)
+    shard = next(tmp_path.glob("*.safetensors"))
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:100])
+        expected = f"{shard}: "
+    else:
+        save_file({"loss_mask": torch.zeros(3, dtype=torch.int8)}, str(shard))
+        expected = f"{shard}: File does not contain tensor input_ids"
+    with pytest.raises(CacheError, match="expected a complete shard") as refused:
+        cache.tokens(0)
+    assert str(refused.value).startswith(expected)
