@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 
-import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -23,7 +22,7 @@ from specdraft.data.conversations import select_conversations
 from specdraft.data.packed_linear import pack_linear_weights
 from specdraft.data.settings import SPLITS, THREADS, data_rules
 from specdraft.system.checks import at_least, check_settings, from_text, one_of, optional
-from specdraft.system.errors import user_errors
+from specdraft.system.errors import hydra_command
 from specdraft.system.hardware import start
 from specdraft.system.locks import output_lock
 
@@ -44,8 +43,7 @@ CACHE_SETTINGS = {
 }
 
 
-@hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="cache")
-@user_errors("specdraft-cache")
+@hydra_command("specdraft-cache", "cache")
 def main(cfg: DictConfig) -> None:
     check_settings(cfg, CACHE_SETTINGS)
     start("specdraft-cache", cfg.threads, cfg.target)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from specdraft.data.cache import (
@@ -97,6 +97,19 @@ class FeatureCache(torch.utils.data.Dataset):
         return [sample_id for shard in self.manifest["shards"] for sample_id in shard["sample_ids"]]
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
+        shard_index = self._locations[index][0]
+        try:
+            return self._sample(index)
+        except (KeyError, SafetensorError) as error:  # a truncated shard, or one missing a field
+            raise self._shard_error(shard_index, error) from None
+
+    def _shard_error(self, shard_index: int, error: Exception) -> CacheError:
+        """A shard that cannot be read as the manifest says: name it and the key, or the reason."""
+        path = self.dir / f"{self.manifest['shards'][shard_index]['name']}.safetensors"
+        what = f"no tensor {error.args[0]!r}" if isinstance(error, KeyError) else str(error)
+        return CacheError(f"{path}: {what} (expected a complete shard written by specdraft-cache)")
+
+    def _sample(self, index: int) -> dict[str, Tensor]:
         shard_index, start, end = self._locations[index]
         handle = self._handle(shard_index)
         names = handle.keys()  # safe_open handles are not iterable
@@ -114,11 +127,14 @@ class FeatureCache(torch.utils.data.Dataset):
     def tokens(self, index: int) -> tuple[Tensor, Tensor]:
         """(input_ids, loss_mask) of one sample, without reading its features."""
         shard_index, start, end = self._locations[index]
-        handle = self._handle(shard_index)
-        return (
-            handle.get_slice("input_ids")[start:end].long(),
-            handle.get_slice("loss_mask")[start:end].long(),
-        )
+        try:
+            handle = self._handle(shard_index)
+            return (
+                handle.get_slice("input_ids")[start:end].long(),
+                handle.get_slice("loss_mask")[start:end].long(),
+            )
+        except (KeyError, SafetensorError) as error:
+            raise self._shard_error(shard_index, error) from None
 
     def _handle(self, shard_index: int):
         if shard_index not in self._handles:

@@ -133,6 +133,11 @@ def tokenize_conversations(
     progress: bool = True,
 ) -> tuple[list[TokenizedConversation], TokenizeReport]:
     """Tokenize many conversations; failures and fully-truncated answers are counted, not raised."""
+    if not tokenizer.chat_template:  # else every conversation is skipped, said on an INFO line only
+        raise ChatTemplateError(
+            f"tokenizer {tokenizer.name_or_path!r} has no chat_template: expected a chat model's tokenizer "
+            "(set target.model to one, or give the tokenizer a chat_template in its tokenizer_config.json)"
+        )
     special_ids = special_token_ids(tokenizer)
     report = TokenizeReport()
     kept: list[TokenizedConversation] = []

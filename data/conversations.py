@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from specdraft.data.assets import find_package_file
+from specdraft.system.files import open_utf8
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ def read_jsonl(path: str | Path, limit: int | None = None) -> ConversationSet:
     report = ReadReport(source=str(path))
 
     def records() -> Iterator[tuple[str | None, Any]]:
-        with path.open(encoding="utf-8") as handle:
+        with open_utf8(path) as handle:
             for line_number, line in enumerate(handle, start=1):
                 if not line.strip():
                     continue

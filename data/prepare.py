@@ -18,7 +18,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import hydra
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -31,7 +30,7 @@ from specdraft.data.regen import GenerationSettings, TargetResponder
 from specdraft.data.settings import THREADS, data_rules
 from specdraft.data.target import Target
 from specdraft.system.checks import at_least, check_settings
-from specdraft.system.errors import user_errors
+from specdraft.system.errors import hydra_command
 from specdraft.system.files import write_json_atomic
 from specdraft.system.hardware import start
 
@@ -49,8 +48,7 @@ PREPARE_SETTINGS = {
 }
 
 
-@hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="prepare")
-@user_errors("specdraft-prepare")
+@hydra_command("specdraft-prepare", "prepare")
 def main(cfg: DictConfig) -> None:
     check_settings(cfg, PREPARE_SETTINGS)
     start("specdraft-prepare", cfg.threads, cfg.target)

@@ -14,7 +14,6 @@ from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
-import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -44,7 +43,7 @@ from specdraft.system.checks import (
     one_of,
     optional,
 )
-from specdraft.system.errors import user_errors
+from specdraft.system.errors import hydra_command
 from specdraft.system.files import write_json_atomic
 from specdraft.system.hardware import start
 from specdraft.system.locks import output_lock
@@ -81,8 +80,7 @@ REGEN_SETTINGS = {
 }
 
 
-@hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="regen")
-@user_errors("specdraft-regen")
+@hydra_command("specdraft-regen", "regen")
 def main(cfg: DictConfig) -> None:
     check_settings(cfg, REGEN_SETTINGS)
     # The output and the captured features' directory, each locked (system/locks.py).
@@ -98,6 +96,12 @@ def regen(cfg: DictConfig) -> None:
     source = instantiate(cfg.data.source)
     data = OmegaConf.to_container(cfg.data, resolve=True)
     conversations, description = select_conversations(source.conversations, data, cfg.split, cfg.limit)
+    if not conversations:  # name the input: the output would otherwise be the only file named
+        raise ValueError(
+            f"{source.report.source}: no conversation to regenerate in the {cfg.split} split "
+            f"({source.report.records} records read, {source.report.kept} kept); expected conversations "
+            "with a user turn and an assistant turn (data.source)"
+        )
     if cfg.features.dir is not None and cfg.backend != "target":
         raise ValueError("features.dir: features are captured by the target backend only (backend=target)")
     writer = None

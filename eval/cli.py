@@ -16,7 +16,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -58,7 +57,7 @@ from specdraft.system.checks import (
     one_of,
     optional,
 )
-from specdraft.system.errors import user_errors
+from specdraft.system.errors import hydra_command
 from specdraft.system.files import write_json_atomic
 from specdraft.system.hardware import detect_hardware, start
 from specdraft.system.locks import output_lock
@@ -99,14 +98,12 @@ BENCH_SETTINGS = {
 }
 
 
-@hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="bench")
-@user_errors("specdraft-bench")
+@hydra_command("specdraft-bench", "bench")
 def bench_main(cfg: DictConfig) -> None:
     _main(cfg, "specdraft-bench")
 
 
-@hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="eval")
-@user_errors("specdraft-eval")
+@hydra_command("specdraft-eval", "eval")
 def eval_main(cfg: DictConfig) -> None:
     _main(cfg, "specdraft-eval")
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from specdraft.data.assets import find_package_file
 from specdraft.data.conversations import read_bundled_sharegpt, split_conversations
+from specdraft.system.files import open_utf8
 
 MT_BENCH_CATEGORIES = (
     "writing",
@@ -58,7 +59,7 @@ def read_spec_bench(
     wanted = set(categories) if categories else None
     questions, seen_categories, taken = [], set(), Counter()
     lines_of: dict[str, list[int]] = {}  # question id -> the lines holding it
-    with path.open(encoding="utf-8") as handle:
+    with open_utf8(path) as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue

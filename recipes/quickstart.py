@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig
 
 from specdraft.data.settings import THREADS
@@ -45,7 +44,7 @@ from specdraft.system.checks import (
     one_of,
     optional,
 )
-from specdraft.system.errors import user_errors
+from specdraft.system.errors import hydra_command
 from specdraft.system.files import write_json_atomic
 from specdraft.system.hardware import start
 from specdraft.system.names import check_path_component
@@ -84,8 +83,7 @@ QUICKSTART_SETTINGS = {
 }
 
 
-@hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="quickstart")
-@user_errors("specdraft-quickstart")
+@hydra_command("specdraft-quickstart", "quickstart")
 def main(cfg: DictConfig) -> None:
     check_path_component(cfg.name, "name")  # the stages' run names, before anything is written
     check_settings(cfg, QUICKSTART_SETTINGS)

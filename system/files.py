@@ -14,7 +14,8 @@ only: ``specdraft.heads`` writes its exports with it.
   directory whose stored settings have no outputs yet (a run refused or killed before its first
   output) is taken over by the next run's settings, with a log line. Used by training runs, the
   benchmark, the feature cache and regeneration.
-* file checksums.
+* file checksums;
+* a user's text file read line by line, so that a non-UTF-8 byte names its file and line.
 """
 
 from __future__ import annotations
@@ -300,6 +301,26 @@ def check_or_store_settings(
             f"{path.parent} holds outputs made with other settings (nothing was changed):\n  "
             + "\n  ".join(differences)
         )
-    log.info("%s: no outputs made with these settings yet; this run's replace them", path)
+    log.info("%s: no outputs made with these settings yet; this run's settings replace them", path)
     write_json_atomic(path, settings)
     return False
+
+
+@contextlib.contextmanager
+def open_utf8(path: str | os.PathLike) -> Iterator[Iterator[str]]:
+    """The lines of a UTF-8 text file (``with open_utf8(p) as lines: for line in lines``), decoded
+    one by one: a line that is not UTF-8 raises a ``ValueError`` naming the file and the line
+    (Python's own error names neither)."""
+    with open(path, "rb") as handle:
+
+        def lines() -> Iterator[str]:
+            for line_number, raw in enumerate(handle, start=1):
+                try:
+                    yield raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    raise ValueError(
+                        f"{path}:{line_number}: not UTF-8 text (byte {raw[error.start]:#04x} at"
+                        f" column {error.start + 1}; expected a UTF-8 encoded file)"
+                    ) from None
+
+        yield lines()

@@ -4,6 +4,7 @@ console script does, on the tiny target."""
 
 from __future__ import annotations
 
+import errno
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -11,14 +12,23 @@ from pathlib import Path
 import pytest
 import torch
 from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from safetensors.torch import save_file
 
 from specdraft.data import cache_cli, prepare, regen_cli
+from specdraft.data.cache import CacheError
+from specdraft.data.cache_dataset import FeatureCache
+from specdraft.data.chat import ChatTemplateError, tokenize_conversations
+from specdraft.data.conversations import Conversation, Message
+from specdraft.data.tiny import tiny_random_target, tiny_tokenizer
 from specdraft.eval import cli as eval_cli
 from specdraft.recipes import depth_acceptance, quickstart, sweep_report
-from specdraft.system.errors import USER_ERROR_EXIT_CODE, user_errors
+from specdraft.system.errors import USER_ERROR_EXIT_CODE, user_errors, user_message
 from specdraft.train import cli as train_cli
 from specdraft.train import export
 from tests.test_bench import save_tiny_checkpoint
+from tests.test_cache import samples_for, write
 
 
 def run_command(entry: Callable[[], None], command: str, *args: str, monkeypatch, capsys) -> str:
@@ -36,6 +46,32 @@ def run_command(entry: Callable[[], None], command: str, *args: str, monkeypatch
 
 def hydra_args(tmp_path: Path) -> list[str]:
     return [f"hydra.run.dir={tmp_path / 'hydra'}", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+
+
+LATIN1_LINES = '{}\n{"id": "café"}\n'.encode("latin-1")  # line 2, column 12: é in Latin-1
+
+
+USER_ONLY_LINE = b'{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n'
+
+
+def write_file(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def checkpoint_without_state_dict(tmp_path: Path) -> Path:
+    path = save_tiny_checkpoint(tmp_path / "no-state.ckpt")
+    checkpoint = torch.load(path, weights_only=True)
+    del checkpoint["state_dict"]
+    torch.save(checkpoint, path)
+    return path
+
+
+def truncated_export(tmp_path: Path) -> Path:
+    write_file(tmp_path / "export" / "config.json", b"{}")
+    write_file(tmp_path / "export" / "model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    return tmp_path / "export"
 
 
 def corrupt_checkpoint(tmp_path: Path) -> Path:
@@ -158,6 +194,90 @@ def corrupt_checkpoint(tmp_path: Path) -> Path:
             ],
             "heldout_fraction",
         ),
+        (  # Hydra's own error, before the job: an unknown key
+            train_cli.main,
+            "specdraft-train",
+            lambda t: ["experiment=eagle", "target=tiny_random", "optim.bogus=1", f"paths.output_dir={t}"],
+            "Could not override 'optim.bogus'",
+        ),
+        (  # Hydra's own error: bad override syntax
+            export.main,
+            "specdraft-export",
+            lambda t: ["target=tiny_random", "format=["],
+            "no viable alternative at input '['",
+        ),
+        (  # an instantiate error: a missing prompts file, named with its key and _target_
+            eval_cli.eval_main,
+            "specdraft-eval",
+            lambda t: [
+                "target=tiny_random",
+                "prompts=mt_bench",
+                f"prompts.path={t / 'missing.jsonl'}",
+                f"checkpoint={t / 'missing.ckpt'}",
+            ],
+            "missing.jsonl does not exist (set prompts.path) (instantiating _target_",
+        ),
+        (
+            eval_cli.eval_main,
+            "specdraft-eval",
+            lambda t: [
+                "target=tiny_random",
+                "prompts=tiny",
+                f"checkpoint={checkpoint_without_state_dict(t)}",
+            ],
+            "no-state.ckpt: not a specdraft training checkpoint (expected a 'specdraft' record and a state",
+        ),
+        (
+            eval_cli.eval_main,
+            "specdraft-eval",
+            lambda t: ["target=tiny_random", "prompts=tiny", f"checkpoint={truncated_export(t)}"],
+            "model.safetensors: not a readable safetensors file",
+        ),
+        (  # a truncated last.ckpt on resume, refused before Lightning reads it
+            train_cli.main,
+            "specdraft-train",
+            lambda t: [
+                "experiment=eagle",
+                "debug=smoke",
+                "target=tiny_random",
+                f"paths.output_dir={t}",
+                f"+touch={write_file(t / 'checkpoints' / 'last.ckpt', b'PK')}",
+            ],
+            "last.ckpt: not a specdraft checkpoint",
+        ),
+        (
+            cache_cli.main,
+            "specdraft-cache",
+            lambda t: [
+                "target=tiny_random",
+                "data=jsonl",
+                f"data.source.path={t / 'gone.jsonl'}",
+                f"out_dir={t}",
+            ],
+            "gone.jsonl: No such file or directory (expected an existing path)",
+        ),
+        (
+            regen_cli.main,
+            "specdraft-regen",
+            lambda t: [
+                "target=tiny_random",
+                "data=jsonl",
+                f"data.source.path={write_file(t / 'latin1.jsonl', LATIN1_LINES)}",
+                f"out_path={t / 'out.jsonl'}",
+            ],
+            "latin1.jsonl:2: not UTF-8 text (byte 0xe9 at column 12; expected a UTF-8 encoded file)",
+        ),
+        (  # the input has no assistant turn: the input is named, not the output
+            regen_cli.main,
+            "specdraft-regen",
+            lambda t: [
+                "target=tiny_random",
+                "data=jsonl",
+                f"data.source.path={write_file(t / 'asks.jsonl', USER_ONLY_LINE)}",
+                f"out_path={t / 'out.jsonl'}",
+            ],
+            "asks.jsonl: no conversation to regenerate in the train split (1 records read, 0 kept)",
+        ),
         (sweep_report.main, "specdraft-sweep-report", lambda t: [str(t / "no-sweep-here")], "no-sweep-here"),
         (
             depth_acceptance.main,
@@ -174,9 +294,15 @@ def test_user_errors_are_one_line_with_exit_code_2(
     hydra = (
         [] if command in ("specdraft-sweep-report", "specdraft-depth-acceptance") else hydra_args(tmp_path)
     )
-    line = run_command(entry, command, *args(tmp_path), *hydra, monkeypatch=monkeypatch, capsys=capsys)
-    assert expected in line, line
-    assert "Traceback" not in capsys.readouterr().err
+    GlobalHydra.instance().clear()
+    monkeypatch.setattr(sys, "argv", [command, *args(tmp_path), *hydra])
+    with pytest.raises(SystemExit) as stop:
+        entry()
+    err = capsys.readouterr().err
+    assert stop.value.code == USER_ERROR_EXIT_CODE, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"{command}: error: "), lines[-3:]
+    assert expected in lines[0], lines[0]
 
 
 def test_the_traceback_shows_with_the_debug_flag_and_bugs_keep_theirs(monkeypatch, capsys):
@@ -218,3 +344,48 @@ def test_an_error_raised_in_a_dataloader_worker_keeps_only_its_own_message(capsy
     with pytest.raises(SystemExit):
         load()
     assert capsys.readouterr().err == "specdraft-demo: error: shard 3: expected input_ids,; got nothing\n"
+
+
+def test_os_errors_naming_a_file_are_user_errors_and_bare_ones_bugs():
+    """An OSError with a filename is the user's environment (named, with what was expected); one
+    without is a bug and keeps its traceback; so does an instantiation failing on a bug."""
+    denied = user_message(PermissionError(errno.EACCES, "Permission denied", "/runs/x"))
+    assert denied == "/runs/x: Permission denied (expected a path this user may read and write)"
+    read_only = user_message(OSError(errno.EROFS, "Read-only file system", "/mnt/ro/out.jsonl"))
+    assert read_only == "/mnt/ro/out.jsonl: Read-only file system (expected a writable file system)"
+    assert user_message(OSError(errno.EINVAL, "Invalid argument")) is None
+    try:
+        instantiate({"_target_": "builtins.int", "_args_": ["x"]})
+    except InstantiationException as error:
+        assert user_message(error) == (
+            "invalid literal for int() with base 10: 'x' (instantiating _target_ builtins.int)"
+        )
+    try:
+        instantiate({"_target_": "builtins.len", "_args_": [3]})
+    except InstantiationException as error:
+        assert user_message(error) is None  # TypeError: a bug, not the user's
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_in_one_line():
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = None
+    conversation = Conversation("a", (Message("user", "q"), Message("assistant", "a")))
+    with pytest.raises(ChatTemplateError, match="has no chat_template: expected a chat model's tokenizer"):
+        tokenize_conversations(tokenizer, [conversation], progress=False)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing key"])
+def test_a_damaged_cache_shard_is_named_with_the_key(tmp_path, damage):
+    target = tiny_random_target()
+    write(target, samples_for(target, count=4), tmp_path)
+    cache = FeatureCache(tmp_path)
+    shard = next(tmp_path.glob("*.safetensors"))
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:100])
+        expected = f"{shard}: "
+    else:
+        save_file({"loss_mask": torch.zeros(3, dtype=torch.int8)}, str(shard))
+        expected = f"{shard}: File does not contain tensor input_ids"
+    with pytest.raises(CacheError, match="expected a complete shard") as refused:
+        cache.tokens(0)
+    assert str(refused.value).startswith(expected)

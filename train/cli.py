@@ -25,7 +25,6 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import hydra
 import lightning as L
 import torch
 from hydra.utils import instantiate
@@ -36,7 +35,7 @@ from specdraft.data.cache import stored_top_k
 from specdraft.data.datamodule import FeatureDataModule
 from specdraft.data.settings import THREADS, data_rules
 from specdraft.data.target import Target, target_weights
-from specdraft.heads.formats import read_head
+from specdraft.heads.formats import read_checkpoint, read_head
 from specdraft.heads.interface import DraftHead
 from specdraft.heads.registry import build_head, config_record
 from specdraft.heads.vocab import draft_vocab_from_counts
@@ -51,7 +50,7 @@ from specdraft.system.checks import (
     one_of,
     optional,
 )
-from specdraft.system.errors import user_errors
+from specdraft.system.errors import hydra_command
 from specdraft.system.files import write_json_atomic
 from specdraft.system.hardware import start
 from specdraft.system.locks import output_lock
@@ -111,8 +110,7 @@ TRAIN_SETTINGS = {
 }
 
 
-@hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="train")
-@user_errors("specdraft-train")
+@hydra_command("specdraft-train", "train")
 def main(cfg: DictConfig) -> None:
     train(cfg)
 
@@ -131,6 +129,8 @@ def train_locked(cfg: DictConfig) -> dict[str, Any]:
     features_for_objective(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resume_from = prepare_run_dir(run_dir, resolved, cfg.resume, list(cfg.resume_ignore))
+    if resume_from:  # a truncated or foreign last.ckpt: one line naming it, before Lightning reads it
+        read_checkpoint(resume_from)
     finished = finished_summary(run_dir, cfg.trainer.max_steps) if resume_from else None
     if finished is not None:
         # Fitting again from the last checkpoint would rewrite the summary with a zero-second fit

@@ -17,7 +17,6 @@ import json
 import logging
 from pathlib import Path
 
-import hydra
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
@@ -26,7 +25,7 @@ from specdraft.data.target import Target, target_weights
 from specdraft.heads.formats import FORMATS, read_checkpoint, read_export, write_export
 from specdraft.heads.formats.files import CONFIG_FILE, check_destination
 from specdraft.system.checks import at_least, check_settings, one_of, optional
-from specdraft.system.errors import user_errors
+from specdraft.system.errors import hydra_command
 from specdraft.system.hardware import start
 from specdraft.system.locks import output_lock
 from specdraft.train.run_dir import LAST_CHECKPOINT
@@ -42,8 +41,7 @@ EXPORT_SETTINGS = {
 }
 
 
-@hydra.main(version_base="1.3", config_path="pkg://specdraft.conf", config_name="export")
-@user_errors("specdraft-export")
+@hydra_command("specdraft-export", "export")
 def main(cfg: DictConfig) -> None:
     export(cfg)
 

@@ -319,8 +319,11 @@ def read_checkpoint(path: str | os.PathLike) -> HeadRecord:
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise FormatError(f"{path}: not a specdraft checkpoint ({reason})") from None
     record = checkpoint.get(CHECKPOINT_KEY) if isinstance(checkpoint, dict) else None
-    if not record or not {"kind", "config", "target_spec"} <= set(record):
-        raise FormatError(f"{path}: not a specdraft training checkpoint (no {CHECKPOINT_KEY!r} record)")
+    if not record or not {"kind", "config", "target_spec"} <= set(record) or "state_dict" not in checkpoint:
+        raise FormatError(
+            f"{path}: not a specdraft training checkpoint"
+            f" (expected a {CHECKPOINT_KEY!r} record and a state_dict)"
+        )
     state = {
         key.removeprefix(CHECKPOINT_STATE_PREFIX): value
         for key, value in checkpoint["state_dict"].items()

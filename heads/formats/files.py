@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -106,7 +107,10 @@ def read_export_dir(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, 
         raise FormatError(f"{config_path}: not valid JSON ({error})") from None
     if not isinstance(config, dict):
         raise FormatError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
-    return config, load_file(weights_path)
+    try:
+        return config, load_file(weights_path)
+    except SafetensorError as error:  # a truncated or foreign file
+        raise FormatError(f"{weights_path}: not a readable safetensors file ({error})") from None
 
 
 def check_tensors(tensors: dict[str, Tensor], expected: dict[str, tuple[int, ...]], where: str) -> None:
