@@ -25,6 +25,7 @@ from conftest import compose_train
 from specdraft.heads.formats import FormatError, read_export, write_export
 from specdraft.heads.formats.files import is_our_export_dir
 from specdraft.system.files import remove_dead_leftovers, write_dir_atomic
+from specdraft.train import cli as train_cli
 from specdraft.train import export
 from specdraft.train.cli import train
 from specdraft.train.run_dir import RunDirError
@@ -249,6 +250,10 @@ def test_resume_refuses_a_malicious_last_ckpt_even_when_the_environment_allows_p
     assert marker.exists()  # loaded unsafely, it runs
     marker.unlink()
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(ValueError, match=r"last\.ckpt: not a specdraft checkpoint"):
+        train(cfg)  # refused by the check before Lightning reads it (read_checkpoint)
+    assert not marker.exists()
+    monkeypatch.setattr(train_cli, "read_checkpoint", lambda path: None)  # Lightning's own load alone
     with pytest.raises(RunDirError, match=r"last\.ckpt: not a specdraft checkpoint .*refused to resume"):
         train(cfg)
     assert not marker.exists()
