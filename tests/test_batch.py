@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import prefix_chi_squares
+from conftest import prefix_chi_squares, rejects
+from test_acceptance import tree_rule
 from test_decode import (
     BLOCK,
     GREEDY,
@@ -29,6 +30,7 @@ from test_decode import (
     target_block_probabilities,
 )
 
+from specdraft.eval import decode
 from specdraft.eval.batch import (
     BatchRunner,
     check_batch_sizes,
@@ -185,33 +187,57 @@ def test_ragged_cache_rows_hold_what_each_prompt_alone_holds(target):
         )
 
 
-def test_sampling_in_a_batch_reproduces_the_target_distribution(tiny_target):
-    """Every row of a 4-row batch (the same prompt in each) samples the target's distribution
-    over its first BLOCK tokens (conftest.prefix_chi_squares), the other rows accepting and
-    rejecting beside it. On the default tiny target, whose peaked distributions let whole blocks
-    be accepted: both branches of the rule run."""
-    rows, trials = 4, 250
-    prompt = prompts(tiny_target, 1)[0]
-    expected = target_block_probabilities(tiny_target, prompt, BLOCK)
-    head = random_head(tiny_target, "eagle")
-    score_filter = near_target_filter(tiny_target, 0.5)
+# 32 rows × 125 rounds = 4,000 sampled blocks: enough to see a verifier that accepts drafts 10 %
+# too often (min(1, 1.1·p)): over seeds 0–2 its 2-token-prefix chi-square read 42–78 and its
+# 3-token one 93–135 against critical values of 19.7 and 28.1 (family alpha 0.001), a noncentral
+# chi-square whose power is above 0.99 at each; the correct rule stayed under half of every
+# prefix's critical value.
+SAMPLING_ROWS, SAMPLING_ROUNDS = 32, 125
+OVER_ACCEPTANCE_10 = 1.1
+
+
+def batch_sampling_blocks(target) -> tuple[dict[tuple[int, ...], int], dict[str, int]]:
+    """How often each BLOCK-token block was sampled by SAMPLING_ROWS rows (the same prompt in
+    each) over SAMPLING_ROUNDS batches, and how often the first round accepted all / rejected some."""
+    prompt = prompts(target, 1)[0]
+    head = random_head(target, "eagle")
+    score_filter = near_target_filter(target, 0.5)
     shape = DynamicTree(depth=2, top_k=2, total_tokens=5)
-    drafters = [drafter_for(head, "eagle", shape, score_filter) for _ in range(rows)]
-    generators = [torch.Generator().manual_seed(b) for b in range(rows)]
-    runner = BatchRunner(tiny_target)
+    drafters = [drafter_for(head, "eagle", shape, score_filter) for _ in range(SAMPLING_ROWS)]
+    generators = [torch.Generator().manual_seed(b) for b in range(SAMPLING_ROWS)]
+    runner = BatchRunner(target)
     counts: dict[tuple[int, ...], int] = {}
     outcomes = {"accepted all": 0, "rejected some": 0}
-    for _ in range(trials):
+    for _ in range(SAMPLING_ROUNDS):
         for generation in speculative_generate_batch(
-            runner, drafters, [prompt] * rows, BLOCK, TOP2, (), generators
+            runner, drafters, [prompt] * SAMPLING_ROWS, BLOCK, TOP2, (), generators
         ):
             block = tuple(generation.tokens)
             counts[block] = counts.get(block, 0) + 1
             step = generation.steps[0]
             outcomes["accepted all" if step.accepted == step.depth else "rejected some"] += 1
+    return counts, outcomes
+
+
+def test_sampling_in_a_batch_reproduces_the_target_distribution(tiny_target):
+    """Every row of a batch (the same prompt in each) samples the target's distribution over its
+    first BLOCK tokens (conftest.prefix_chi_squares; expected from the independent reference of
+    the filters), the other rows accepting and rejecting beside it. On the default tiny target,
+    whose peaked distributions let whole blocks be accepted: both branches of the rule run."""
+    counts, outcomes = batch_sampling_blocks(tiny_target)
+    expected = target_block_probabilities(tiny_target, prompts(tiny_target, 1)[0], BLOCK)
     results = prefix_chi_squares(counts, expected)
     assert all(statistic < critical for statistic, critical in results), (results, counts)
-    assert min(outcomes.values()) > 0.05 * rows * trials, outcomes
+    assert min(outcomes.values()) > 0.05 * SAMPLING_ROWS * SAMPLING_ROUNDS, outcomes
+
+
+def test_the_batch_sampling_test_sees_a_verifier_that_accepts_ten_percent_too_often(tiny_target, monkeypatch):
+    """The test above, end to end through the batched decoder, with recursive rejection sampling
+    replaced by one that accepts each draft with min(1, 1.1·p): it must fail."""
+    monkeypatch.setattr(decode, "tree_rejection_sample", tree_rule(over_accept=OVER_ACCEPTANCE_10))
+    counts, _ = batch_sampling_blocks(tiny_target)
+    expected = target_block_probabilities(tiny_target, prompts(tiny_target, 1)[0], BLOCK)
+    assert rejects(counts, expected)
 
 
 @pytest.mark.parametrize("sizes", [[], [0], [1, -2], [2.5], [True], 4, "4"])
