@@ -125,7 +125,10 @@ def test_short_training_learns(tmp_path):
     1.03 → 0.77, acc_1 0.006 → 0.095). Medusa is left to its oracle test: on a random target its
     zero-initialised blocks move acc_1 by nothing measurable in a test's budget."""
     common = ["experiment=eagle", "debug=smoke", "validate_at_end=true", "logger=none"]
-    untrained = train(compose_train(tmp_path / "untrained", *common, "trainer.max_steps=0"))["final_val"]
+    # One step at learning rate 0 leaves the seeded head as it was built (max_steps=0 is refused).
+    untrained = train(compose_train(tmp_path / "untrained", *common, "trainer.max_steps=1", "optim.lr=0.0"))[
+        "final_val"
+    ]
     trained = train(compose_train(tmp_path / "trained", *common, "trainer.max_steps=30"))["final_val"]
     assert trained["val/loss"] < 0.9 * untrained["val/loss"]
     assert trained["val/acc_1"] > untrained["val/acc_1"] + 0.05
