@@ -134,7 +134,10 @@ def leftover_owner(path: Path, role: str, sibling: str) -> tuple[str | None, int
 
 
 def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (one of another user's counts as alive)."""
+    """Whether process ``pid`` exists on this host (one of another user's counts as alive; no pid
+    ≤ 0 is a process: ``kill`` would signal a group)."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

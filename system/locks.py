@@ -35,6 +35,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from specdraft.system.files import process_alive
+
 log = logging.getLogger(__name__)
 
 LOCK_SUFFIX = ".lock"
@@ -80,7 +82,7 @@ def live_holders(output: str | os.PathLike) -> list[dict[str, Any]]:
         holder = _read_holder(path)
         if holder is None or (holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()):
             continue
-        if holder["host"] != socket.gethostname() or _alive(holder["pid"]):
+        if holder["host"] != socket.gethostname() or process_alive(holder["pid"]):
             found.append(holder)
     return found
 
@@ -148,7 +150,7 @@ def _refuse_unless_stale(path: Path, output: Path, holder: dict[str, Any]) -> No
         raise OutputLocked(
             f"{output} is locked by {who}, another machine: if that process is gone, remove {path}"
         )
-    if _alive(holder["pid"]):
+    if process_alive(holder["pid"]):
         raise OutputLocked(f"{output} is in use by {who}; lock file {path}")
 
 
@@ -159,7 +161,7 @@ def _remove_if_stale(path: Path) -> None:
     try:
         fcntl.flock(directory, fcntl.LOCK_EX)
         holder = _read_holder(path)
-        if holder is None or holder["host"] != socket.gethostname() or _alive(holder["pid"]):
+        if holder is None or holder["host"] != socket.gethostname() or process_alive(holder["pid"]):
             return  # taken over (or released) by another taker meanwhile: the create decides
         log.warning(
             "taking over the stale lock %s of %s (pid %d, started %s), which is no longer running",
@@ -177,19 +179,6 @@ def _release(path: Path, record: bytes) -> None:
             path.unlink()
     except FileNotFoundError:
         pass
-
-
-def _alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists on this host (one of another user counts)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _glob_escape(name: str) -> str:
