@@ -330,7 +330,7 @@ def sidecar_if_done(out_dir: Path, name: str) -> dict[str, Any] | None:
     sidecar_path, shard_path = out_dir / f"{name}.json", out_dir / f"{name}.safetensors"
     if not sidecar_path.is_file() or not shard_path.is_file():
         return None
-    sidecar = read_json(sidecar_path)
+    sidecar = read_json(sidecar_path, SIDECAR_KEYS)
     return sidecar if shard_path.stat().st_size == sidecar["bytes"] else None
 
 
@@ -405,14 +405,29 @@ def _check_shapes(handle, shard: dict[str, Any], fields: dict[str, Any], hidden_
         raise CacheError(f"{shard['name']}.safetensors: tensors {actual}, expected {expected}")
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    """A cache's JSON file; a missing or unreadable one is a :class:`CacheError` naming it."""
+# The keys a cache's JSON files must hold to be read (a damaged or foreign file is named, not a
+# KeyError): plan.json and manifest.json, and each shard's sidecar.
+PLAN_KEYS = ("format_version", "target", "fields", "num_samples", "num_tokens", "shards")
+SIDECAR_KEYS = ("sample_ids", "num_tokens", "offsets", "bytes", "sha256")
+
+
+def read_json(path: Path, required: Sequence[str] = PLAN_KEYS) -> dict[str, Any]:
+    """A cache's JSON file, an object holding the ``required`` keys; a missing, unreadable or
+    damaged one is a :class:`CacheError` naming it."""
     try:
-        return json.loads(path.read_text())
+        loaded = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise CacheError(f"{path}: not valid JSON ({error})") from error
+    except UnicodeDecodeError as error:
+        raise CacheError(f"{path}: not UTF-8 JSON (byte {error.start}: {error.reason})") from error
     except FileNotFoundError as error:
         raise CacheError(f"{path}: not found") from error
+    missing = [key for key in required if key not in loaded] if isinstance(loaded, dict) else required
+    if missing:
+        raise CacheError(
+            f"{path}: not a cache file of ours (expected a JSON object with {', '.join(missing)})"
+        )
+    return loaded
 
 
 def check_manifest(

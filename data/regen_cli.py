@@ -83,10 +83,25 @@ REGEN_SETTINGS = {
 @hydra_command("specdraft-regen", "regen")
 def main(cfg: DictConfig) -> None:
     check_settings(cfg, REGEN_SETTINGS)
+    check_openai_backend(cfg)
     # The output and the captured features' directory, each locked (system/locks.py).
     features = nullcontext() if cfg.features.dir is None else output_lock(cfg.features.dir, "specdraft-regen")
     with output_lock(cfg.out_path, "specdraft-regen"), features:
         regen(cfg)
+
+
+def check_openai_backend(cfg: DictConfig) -> None:
+    """With ``backend=openai``: the server's URL and the model it serves, before anything runs
+    (the model's default, ``${target.name}``, is unset for a target config without a name)."""
+    if cfg.backend != "openai":
+        return
+    if not cfg.openai.base_url:
+        raise ValueError("backend=openai needs openai.base_url (e.g. http://localhost:8000/v1)")
+    if not OmegaConf.select(cfg, "openai.model", throw_on_resolution_failure=False):
+        raise ValueError(
+            "backend=openai needs openai.model, the model the server serves (its default, the "
+            "target's name, is not set by this target config)"
+        )
 
 
 def regen(cfg: DictConfig) -> None:

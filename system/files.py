@@ -296,7 +296,11 @@ def check_or_store_settings(
     if not path.is_file():
         write_json_atomic(path, settings)
         return False
-    differences = setting_differences(json.loads(path.read_text()), settings, [*OUTPUT_NEUTRAL, *may_change])
+    try:
+        stored = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise SettingsMismatch(f"{path}: stored settings that do not read as JSON ({error})") from None
+    differences = setting_differences(stored, settings, [*OUTPUT_NEUTRAL, *may_change])
     if not differences:
         return True
     if outputs_exist:

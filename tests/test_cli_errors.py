@@ -51,6 +51,7 @@ def hydra_args(tmp_path: Path) -> list[str]:
 LATIN1_LINES = '{}\n{"id": "café"}\n'.encode("latin-1")  # line 2, column 12: é in Latin-1
 
 
+NOT_UTF8_JSON = b"{\xff}"
 USER_ONLY_LINE = b'{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n'
 
 
@@ -277,6 +278,44 @@ def corrupt_checkpoint(tmp_path: Path) -> Path:
                 f"out_path={t / 'out.jsonl'}",
             ],
             "asks.jsonl: no conversation to regenerate in the train split (1 records read, 0 kept)",
+        ),
+        (
+            regen_cli.main,
+            "specdraft-regen",
+            lambda t: ["target=tiny_random", "data=tiny", "backend=openai", f"out_path={t / 'out.jsonl'}"],
+            "backend=openai needs openai.base_url",
+        ),
+        (  # the model's default, ${target.name}, does not resolve for the tiny target
+            regen_cli.main,
+            "specdraft-regen",
+            lambda t: [
+                "target=tiny_random",
+                "data=tiny",
+                "backend=openai",
+                "openai.base_url=http://localhost:8000/v1",
+                f"out_path={t / 'out.jsonl'}",
+            ],
+            "backend=openai needs openai.model",
+        ),
+        (
+            cache_cli.main,
+            "specdraft-cache",
+            lambda t: [
+                "target=tiny_random",
+                "mode=validate",
+                f"out_dir={write_file(t / 'c' / 'plan.json', NOT_UTF8_JSON).parent}",
+            ],
+            "plan.json: not UTF-8 JSON",
+        ),
+        (
+            cache_cli.main,
+            "specdraft-cache",
+            lambda t: [
+                "target=tiny_random",
+                "mode=validate",
+                f"out_dir={write_file(t / 'c' / 'plan.json', b'{}').parent}",
+            ],
+            "plan.json: not a cache file of ours (expected a JSON object with format_version",
         ),
         (sweep_report.main, "specdraft-sweep-report", lambda t: [str(t / "no-sweep-here")], "no-sweep-here"),
         (
