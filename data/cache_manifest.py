@@ -61,7 +61,10 @@ def _shard_header_problems(path: Path, name: str, tokens: int, offsets: list[int
     if stored_tokens != tokens:
         problems.append(f"{name} num_tokens: {tokens}, the shard holds {stored_tokens}")
     if stored != offsets:
-        problems.append(f"{name} offsets: {_excerpt(offsets)}, the shard's are {_excerpt(stored or [])}")
+        problems.append(
+            f"{name} offsets in manifest.json (from {name}.json): {_excerpt(offsets)}, the shard's "
+            f"are {_excerpt(stored or [])}"
+        )
     return problems
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from specdraft.system.errors import user_errors
+from specdraft.system.errors import one_line, user_errors
 from specdraft.system.files import write_bytes_atomic, write_json_atomic
 from specdraft.train.run_dir import RUN_CONFIG, flatten_config
 
@@ -58,9 +58,17 @@ def read_csv_metric(run_dir: Path, metric: str) -> float | None:
     return best
 
 
+def read_yaml(path: Path) -> dict[str, Any]:
+    """A run's YAML config; one that does not read as YAML is a ``ValueError`` naming it."""
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except (UnicodeDecodeError, yaml.YAMLError) as error:
+        raise ValueError(f"{path}: not a readable run config ({one_line(str(error))})") from None
+
+
 def specdraft_run(config_path: Path, metric: str) -> dict[str, Any]:
     run_dir = config_path.parent
-    config = flatten_config(yaml.safe_load(config_path.read_text()) or {})
+    config = flatten_config(read_yaml(config_path))
     summary_path = run_dir / "summary.json"
     value = None
     if summary_path.is_file():
@@ -75,7 +83,7 @@ def specdraft_run(config_path: Path, metric: str) -> dict[str, Any]:
 
 
 def wandb_run(files_dir: Path, metric: str) -> dict[str, Any]:
-    raw = yaml.safe_load((files_dir / "config.yaml").read_text()) or {}
+    raw = read_yaml(files_dir / "config.yaml")
     # W&B stores each top-level key as {"value": ...}; "_wandb" is its own bookkeeping.
     config = flatten_config(
         {k: v.get("value") if isinstance(v, dict) else v for k, v in raw.items() if k != "_wandb"}
@@ -154,6 +162,11 @@ def write_report(roots: list[Path], out_dir: Path, metric: str = DEFAULT_METRIC)
     if not runs:
         raise SystemExit(
             f"no runs found under {', '.join(map(str, roots))} (looked for {RUN_CONFIG} and W&B dirs)"
+        )
+    if all(run["metric"] is None for run in runs):
+        raise ValueError(
+            f"--metric {metric}: none of the {len(runs)} runs under {', '.join(map(str, roots))} "
+            f"records it (the default is {DEFAULT_METRIC})"
         )
     swept = swept_parameters(runs)
     rows = [

@@ -46,7 +46,8 @@ def shift_second_offset(record: dict) -> None:
 def test_lying_offsets_are_refused_on_read_and_on_validate_naming_the_shard(cache):
     edit_json(cache / "manifest.json", shift_second_offset)
     before = files_of(cache)
-    with pytest.raises(CacheError, match=r"shard-00000 offsets: \[0, \d+, .*the shard's are \[0, "):
+    lying = r"shard-00000 offsets in manifest.json \(from shard-00000.json\): \[0, \d+, .*shard.s are \[0, "
+    with pytest.raises(CacheError, match=lying):
         validate_cache(cache)
     with pytest.raises(CacheError, match=r"shard-00000 offsets") as error:
         FeatureCache(cache, verify=False)  # checked without the SHA-256 pass too

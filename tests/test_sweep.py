@@ -125,3 +125,16 @@ def test_report_reads_synced_wandb_run_dirs(tmp_path):
     report = write_report([tmp_path], tmp_path / "report")
     assert report["swept"] == ["loss.weights.topk"]
     assert [row["val/sim_tau"] for row in report["runs"]] == [2.5, 1.5]
+
+
+def test_a_metric_no_run_records_and_an_unreadable_run_config_are_refused_naming_them(tmp_path):
+    run = tmp_path / "sweep" / "lr=0.1"
+    run.mkdir(parents=True)
+    (run / "run_config.yaml").write_text("optim:\n  lr: 0.1\n")
+    (run / "summary.json").write_text(json.dumps({"best_sim_tau": 2.0, "last_val": {"val/loss": 1.0}}))
+    with pytest.raises(ValueError, match=r"--metric val/nope: none of the 1 runs .* records it"):
+        write_report([tmp_path / "sweep"], tmp_path / "report", "val/nope")
+    (run / "run_config.yaml").write_bytes(b"\xff\xfe")
+    with pytest.raises(ValueError, match=r"run_config.yaml: not a readable run config"):
+        write_report([tmp_path / "sweep"], tmp_path / "report")
+    assert not (tmp_path / "report").exists()
