@@ -106,8 +106,9 @@ def error_line(stderr: str, command: str) -> str | None:
     return errors[0] if len(errors) == 1 and lines[-1] == errors[0] else None
 
 
-def judge_refusal(result: dict, command: str, fragments: tuple[str, ...]) -> str:
-    """The verdict of one process that should be refused."""
+def process_fault(result: dict) -> str | None:
+    """The verdict every probe shares, whatever its expected outcome: a timeout, a traceback or
+    Hydra's own multi-line error (None: none of them)."""
     err = result["stderr_tail"]
     if result["rc"] is None:
         return "timeout"
@@ -115,6 +116,14 @@ def judge_refusal(result: dict, command: str, fragments: tuple[str, ...]) -> str
         return "traceback"
     if any(mark in err for mark in HYDRA_MARKS):
         return "hydra-wrapped"
+    return None
+
+
+def judge_refusal(result: dict, command: str, fragments: tuple[str, ...]) -> str:
+    """The verdict of one process that should be refused."""
+    err = result["stderr_tail"]
+    if fault := process_fault(result):
+        return fault
     if result["rc"] == 0:
         return "silently-accepted"
     if result["rc"] != 2:
@@ -127,13 +136,9 @@ def judge_refusal(result: dict, command: str, fragments: tuple[str, ...]) -> str
 
 
 def judge_acceptance(result: dict, failure: str | None) -> str:
-    err = result["stderr_tail"]
-    if result["rc"] is None:
-        return "timeout"
-    if TRACEBACK in err:
-        return "traceback"
-    if any(mark in err for mark in HYDRA_MARKS):
-        return "hydra-wrapped"
+    """The verdict of one process that should succeed (``failure``: its post-check's, if any)."""
+    if fault := process_fault(result):
+        return fault
     if result["rc"] == 2:
         return "wrongly-refused"
     if result["rc"] != 0:
