@@ -52,7 +52,9 @@ class TrainingPredictions:
     """A head's predictions over a batch, aligned on the target position each one predicts.
 
     batch_index, positions  N      (b, q): every step predicts the target's next-token
-                                   distribution at q (its token x_{q+1})
+                                   distribution at q (its token x_{q+1});
+                            or S×N one (b, q) per step and column (a block drafter: step j of
+                                   the block at a predicts at q = a+j−1)
     outputs                 S×N×H  step j's output for (b, q): what ``vocab_projection`` reads
     valid                   S×N    step j had the context it needs for (b, q)
     predicts_features: ``outputs[j]`` also predicts the target's last hidden state at q (EAGLE's

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from specdraft.heads.dflash import DFlashHead
 from specdraft.heads.eagle import Eagle3Head, EagleHead
 from specdraft.heads.frozen import TargetWeights
 from specdraft.heads.interface import DraftHead
@@ -28,6 +29,7 @@ HEAD_KINDS: dict[str, type[DraftHead]] = {
         MedusaHead,
         EagleHead,
         Eagle3Head,
+        DFlashHead,
     )
 }
 

@@ -14,6 +14,7 @@ argmax at the supervised positions; simulated τ = 1 + Σ_k Π_{i≤k} acc_i (do
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from functools import partial
@@ -139,10 +140,6 @@ class DraftObjective:
         b, q = predictions.batch_index, predictions.positions
         outputs, valid = predictions.outputs, predictions.valid
         step_weights = [self.rollout.step_weight(j) if j <= trained else 0.0 for j in range(1, steps + 1)]
-        labels = None
-        if self.weights.ce > 0:  # x_{q+1}, −1 where it is padding
-            labels = shift_left(batch.input_ids)[b, q]
-            labels = labels.masked_fill(~shift_left(batch.attention_mask)[b, q].bool(), -1)
         projection = head.vocab_projection(outputs)
         # Steps computed over the training vocabulary: all of them, or step 1 only (when the
         # rollout vocabulary is smaller than what the head drafts over).
@@ -152,22 +149,26 @@ class DraftObjective:
             and self._restriction(head, projection, self.rollout_vocab, rollout=True).narrows
         )
         split = 1 if narrows else steps
-        fused = self._fused(
-            head, projection.steps(slice(0, split)), batch, b, q, valid[:split], step_weights[:split], labels
-        )
-        if split < steps:
-            later = self._fused(
+        fused = None
+        for chosen, rollout, rows in self._step_groups(predictions, steps, split):
+            group_b, group_q, group_valid = b, q, valid[chosen]
+            group = projection.steps(chosen)
+            if rows is not None:  # this step's own positions, its valid columns only
+                group_b, group_q = b[chosen][0, rows], q[chosen][0, rows]
+                group_valid = group_valid[:, rows]
+                group = dataclasses.replace(group, inputs=group.inputs[:, rows])
+            terms = self._fused(
                 head,
-                projection.steps(slice(split, None)),
+                group,
                 batch,
-                b,
-                q,
-                valid[split:],
-                step_weights[split:],
-                labels,
-                rollout=True,
+                group_b,
+                group_q,
+                group_valid,
+                step_weights[chosen],
+                self._labels(batch, group_b, group_q),
+                rollout=rollout,
             )
-            fused = fused.followed_by(later)
+            fused = terms if fused is None else fused.followed_by(terms)
         features_loss: list[Tensor | None] = [None] * steps
         if predictions.predicts_features and self.weights.feature > 0:
             target_hidden = batch.hidden[b, q]
@@ -175,6 +176,30 @@ class DraftObjective:
                 feature_regression(outputs[j][valid[j]], target_hidden[valid[j]]) for j in range(steps)
             ]
         return self._output(fused, features_loss, step_weights)
+
+    @staticmethod
+    def _step_groups(predictions, steps: int, split: int):
+        """(steps, over the rollout vocabulary?, columns) per call of the fused losses: with
+        positions shared by the steps, the steps before ``split`` and those after (all columns:
+        None); with each step's own positions (a block drafter), one step at a time, over its
+        valid columns only (at least one, so that every step is reported)."""
+        if predictions.positions.dim() == 1:
+            groups = [(slice(0, split), False, None)]
+            return groups + ([(slice(split, steps), True, None)] if split < steps else [])
+        groups = []
+        for j in range(steps):
+            rows = predictions.valid[j].nonzero().squeeze(-1)
+            if rows.numel() == 0:
+                rows = rows.new_zeros(1)
+            groups.append((slice(j, j + 1), j >= split, rows))
+        return groups
+
+    def _labels(self, batch: FeatureBatch, b: Tensor, q: Tensor) -> Tensor | None:
+        """x_{q+1} at (b, q), −1 where it is padding; None when no term reads labels."""
+        if self.weights.ce <= 0:
+            return None
+        labels = shift_left(batch.input_ids)[b, q]
+        return labels.masked_fill(~shift_left(batch.attention_mask)[b, q].bool(), -1)
 
     def _target_topk(self, batch: FeatureBatch, b: Tensor, p: Tensor, head: DraftHead, target_hidden: Tensor):
         """The target's top-K (ids, probs) N×K at positions (b, p): cached, else recomputed."""
