@@ -331,15 +331,20 @@ class FeatureDataModule(L.LightningDataModule):
             batch = extract_features(self.target, batch, self.fields.aux_layer_ids, top_k=self.fields.top_k)
         if training and self.supervise == "all":
             batch.loss_mask = batch.attention_mask
+        if training:
+            batch.seed = self._batch_seed()
         if training and self.noise is not None:
-            batch = self.noise(batch, self._noise_generator(batch.hidden.device))
+            generator = None
+            if batch.seed is not None:
+                generator = torch.Generator(batch.hidden.device).manual_seed(batch.seed)
+            batch = self.noise(batch, generator)
         return batch
 
-    def _noise_generator(self, device: torch.device) -> torch.Generator | None:
-        """Noise seeded by (seed, rank, batches fetched so far): a resumed run draws the same noise
-        as an uninterrupted one (Lightning does not checkpoint the global RNG)."""
+    def _batch_seed(self) -> int | None:
+        """The seed of a training batch's randomness (the noise, a head's draws): (seed, rank,
+        batches fetched so far), so a resumed run draws what an uninterrupted one would
+        (Lightning does not checkpoint the global RNG). None outside a trainer."""
         if self.trainer is None:
             return None
         fetched = self.trainer.fit_loop.epoch_loop.batch_progress.total.ready
-        seed = (self.seed * 1_000_003 + self.trainer.global_rank) * 1_000_003 + fetched
-        return torch.Generator(device).manual_seed(seed)
+        return (self.seed * 1_000_003 + self.trainer.global_rank) * 1_000_003 + fetched

@@ -54,6 +54,9 @@ class FeatureBatch:
     topk_probs  B×T×K      their fp32 probabilities under the full softmax
     input_hidden B×T×H     the features the head reads when they differ from ``hidden`` (EAGLE's
                            training noise); ``hidden`` stays the clean regression target
+    seed        the seed of what a head draws at random from this training batch (DFlash's
+                anchors), set by the DataModule so that a resumed run draws what an
+                uninterrupted one would; None: the head's own choice
     All feature tensors are zero at padded positions.
     """
 
@@ -65,6 +68,7 @@ class FeatureBatch:
     topk_ids: Tensor | None = None
     topk_probs: Tensor | None = None
     input_hidden: Tensor | None = None
+    seed: int | None = None
 
     def to(self, device: torch.device | str) -> FeatureBatch:
         return FeatureBatch(

@@ -115,8 +115,9 @@ def block_attention(
         hidden = ~context[:, None, None, :, None, :]  # B×1×1×n×1×T
         context_scores = context_scores.masked_fill(hidden, float("-inf"))
     block_scores = torch.einsum("bgmnid,bgnjd->bgmnij", grouped, key) * scale
-    # The softmax in fp32: bf16 scores over hundreds of keys lose the small probabilities.
-    probs = torch.cat([context_scores, block_scores], dim=-1).float().softmax(-1).to(query.dtype)
+    # The softmax in fp32 at least: bf16 scores over hundreds of keys lose the small probabilities.
+    exact = torch.promote_types(query.dtype, torch.float32)
+    probs = torch.cat([context_scores, block_scores], dim=-1).to(exact).softmax(-1).to(query.dtype)
     context_probs, block_probs = probs.split([context_key.shape[2], k], dim=-1)
     out = torch.einsum("bgmnit,bgtd->bgmnid", context_probs, context_value)
     out = out + torch.einsum("bgmnij,bgnjd->bgmnid", block_probs, value)
@@ -283,15 +284,15 @@ class DFlashHead(DraftHead):
         """(anchors B×n, kept B×n bool): a random ``anchor_fraction`` of each sequence's anchor
         candidates (positions a whose next token x_{a+1} is supervised, so a block's first draft
         is), at least one, sorted; rows with fewer fill up with not-kept anchors at 0. Drawn from
-        the global generator when training, from one seeded with :data:`VALIDATION_ANCHOR_SEED`
-        otherwise."""
+        a generator seeded with the batch's ``seed`` when training (the global one without), from
+        one seeded with :data:`VALIDATION_ANCHOR_SEED` otherwise: every validation scores the
+        same blocks, and a resumed run trains on the blocks an uninterrupted one would."""
         candidates = (shift_left(batch.loss_mask) * shift_left(batch.attention_mask)).bool()
         counts = candidates.sum(1)
         wanted = torch.where(counts > 0, (counts * self.config.anchor_fraction).ceil().long().clamp(min=1), 0)
         width = max(int(wanted.max()), 1)
-        generator = None
-        if not self.training:
-            generator = torch.Generator(candidates.device).manual_seed(VALIDATION_ANCHOR_SEED)
+        seed = VALIDATION_ANCHOR_SEED if not self.training else getattr(batch, "seed", None)
+        generator = None if seed is None else torch.Generator(candidates.device).manual_seed(seed)
         scores = torch.rand(candidates.shape, generator=generator, device=candidates.device)
         order = scores.masked_fill(~candidates, 2.0).argsort(dim=1)[:, :width]  # chosen first
         kept = torch.arange(width, device=order.device) < wanted.unsqueeze(1)
@@ -321,10 +322,10 @@ class DFlashHead(DraftHead):
         steps_ahead = torch.arange(1, self.block_size, device=anchors.device)  # j = 1..k−1
         positions = anchors.unsqueeze(0) + (steps_ahead - 1).view(-1, 1, 1)  # S×B×n: q = a+j−1
         supervised = (shift_left(batch.loss_mask) * shift_left(batch.attention_mask)).bool()
-        inside = positions < length
+        # Past the end: clamped to the last position, whose next token is never supervised.
         positions = positions.clamp(max=length - 1)
         row = torch.arange(rows, device=anchors.device).view(1, -1, 1).expand_as(positions)
-        valid = kept.unsqueeze(0) & inside & supervised[row, positions]
+        valid = kept.unsqueeze(0) & supervised[row, positions]
         steps_total = self.block_size - 1
         predicted = outputs[:, :, 1:].permute(2, 0, 1, 3).reshape(steps_total, -1, outputs.shape[-1])
         return TrainingPredictions(

@@ -37,6 +37,7 @@ class TrainingBatch(Protocol):
     hidden        B×T×H      the target's last hidden state after its final norm
     aux           B×T×(k·H)  the target's aux layers (``target_taps``), None unless captured
     input_hidden  B×T×H      the features the head reads when they differ from ``hidden`` (noise)
+    seed          the seed of what a head draws at random from a training batch (None: its own)
     """
 
     input_ids: Tensor
@@ -45,6 +46,7 @@ class TrainingBatch(Protocol):
     hidden: Tensor
     aux: Tensor | None
     input_hidden: Tensor | None
+    seed: int | None
 
 
 @dataclass

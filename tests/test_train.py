@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -29,7 +31,7 @@ from specdraft.train.module import DraftHeadModule
 from specdraft.train.objective import DraftObjective, RolloutConfig
 from specdraft.train.run_dir import RunDirError
 
-EXPERIMENTS = ["medusa", "eagle", "eagle3", "hass", "hass_eagle3"]
+EXPERIMENTS = ["medusa", "eagle", "eagle3", "hass", "hass_eagle3", "dflash"]
 
 
 def checkpoint(path: Path) -> dict:
@@ -142,11 +144,13 @@ def test_a_rollout_vocabulary_trains_within_the_training_one(tmp_path):
     assert objective(draft_vocab_size=64, rollout_vocab_size=16).rollout_vocab.numel() == 16
 
 
-def test_resume_continues_exactly(tmp_path):
+@pytest.mark.parametrize("experiment", ["hass", "dflash"])
+def test_resume_continues_exactly(tmp_path, experiment):
     """Stopping after 3 steps and re-running to 6 gives the same weights as 6 steps in one go:
-    same step, same batches (mid-epoch), same noise, same optimiser and schedule state."""
+    same step, same batches (mid-epoch), same noise and DFlash anchors, same optimiser and
+    schedule state."""
     common = [
-        "experiment=hass",
+        f"experiment={experiment}",
         "debug=smoke",
         "callbacks.last_checkpoint.every_n_train_steps=1",
         "scheduler.total_steps=6",  # the same schedule for both (it follows max_steps by default)
@@ -161,6 +165,47 @@ def test_resume_continues_exactly(tmp_path):
     a = checkpoint(tmp_path / "straight" / "checkpoints" / "last.ckpt")
     b = checkpoint(tmp_path / "resumed" / "checkpoints" / "last.ckpt")
     assert a["global_step"] == b["global_step"] == 6
+    for name, tensor in a["state_dict"].items():
+        torch.testing.assert_close(b["state_dict"][name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_a_run_killed_mid_training_resumes_to_the_weights_of_an_uninterrupted_one(tmp_path):
+    """kill -9 of a DFlash training once it has checkpointed, then the same command again: it
+    resumes from its last checkpoint and ends with the weights of a run never interrupted."""
+    steps = 24
+    common = [
+        "experiment=dflash",
+        "debug=smoke",
+        "trainer.precision=32-true",
+        f"trainer.max_steps={steps}",
+        f"scheduler.total_steps={steps}",
+        "callbacks.last_checkpoint.every_n_train_steps=1",
+        "trainer.val_check_interval=100",
+    ]
+    straight = run_cli(*common, f"paths.log_dir={tmp_path / 'straight'}", cwd=tmp_path)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    log_dir = tmp_path / "killed"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, "-m", "specdraft.train.cli", *common, f"paths.log_dir={log_dir}"]
+    process = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    last = log_dir / "train" / "smoke-dflash-dflash" / "checkpoints" / "last.ckpt"
+    deadline = time.monotonic() + 240
+    while process.poll() is None and time.monotonic() < deadline:
+        if last.exists() and checkpoint(last)["global_step"] >= 3:
+            break
+        time.sleep(0.05)
+    assert process.poll() is None, "the run ended before it could be killed: raise its steps"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    killed_at = checkpoint(last)["global_step"]
+    assert 3 <= killed_at < steps
+    resumed = run_cli(*common, f"paths.log_dir={log_dir}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = checkpoint(tmp_path / "straight" / "train" / "smoke-dflash-dflash" / "checkpoints" / "last.ckpt")
+    b = checkpoint(last)
+    assert a["global_step"] == b["global_step"] == steps
     for name, tensor in a["state_dict"].items():
         torch.testing.assert_close(b["state_dict"][name], tensor, rtol=0, atol=0, msg=name)
 
