@@ -57,6 +57,11 @@ VARIANTS = {
     "hass_r8k": ["experiment=hass", ROLLOUT_8K],
     "eagle3_r8k": ["experiment=eagle3", ROLLOUT_8K],
     "hass_eagle3_r8k": ["experiment=hass_eagle3", ROLLOUT_8K],
+    # DFlash block drafters: the default (5 layers, blocks of 16), fewer layers, blocks of 8
+    # (decay exp(−1/4), the paper's γ for 8).
+    "dflash": ["experiment=dflash"],
+    "dflash_l2": ["experiment=dflash", "head.config.num_layers=2"],
+    "dflash_b8": ["experiment=dflash", "head.config.block_size=8", "loss.rollout.step_weight_base=0.7788"],
 }
 BASE_VARIANTS = ["eagle", "hass", "eagle3", "hass_eagle3", "medusa"]
 
