@@ -96,31 +96,43 @@ def paired_bootstrap(
     seed: int = 0,
     confidence: float = CONFIDENCE,
 ) -> dict[str, Any]:
-    """τ of ``method`` against ``reference`` on the prompts both answered (records of ONE
-    temperature), with percentile-bootstrap intervals paired by prompt.
+    """τ and tokens/s of ``method`` against ``reference`` on the prompts both answered (records of
+    ONE temperature), with percentile-bootstrap intervals paired by prompt.
 
     Each resample draws prompts (question ids, all their turns) with replacement and recomputes
     both methods' τ over them as τ itself is computed (tokens after the first ÷ target forwards,
-    summed), so a long answer weighs as much as in τ, and a prompt that is easy for both methods
-    moves both alike. Returns ``{"prompts", "tau", "tau_reference", "difference", "ratio"}``,
-    the last two ``{"estimate", "low", "high"}`` (τ − τ_ref and τ / τ_ref)."""
-    totals: dict[str, list[int]] = {}  # question id -> [committed, forwards] of method, then reference
+    summed), and their tokens/s likewise (tokens ÷ wall seconds, summed), so a long answer weighs
+    as much as in τ, and a prompt that is easy for both methods moves both alike. Returns
+    ``{"prompts", "tau", "tau_reference", "difference", "ratio", "speed_ratio"}``, the last three
+    ``{"estimate", "low", "high"}`` (τ − τ_ref, τ / τ_ref, and tokens/s ÷ the reference's: None
+    when a record has no wall time)."""
+    # question id -> [committed, forwards, tokens, seconds] of method, then of reference
+    totals: dict[str, list[float]] = {}
+    timed = True
     for record in records:
         if record["method"] not in (method, reference) or record.get("steps") is None:
             continue
-        entry = totals.setdefault(record["question_id"], [0, 0, 0, 0])
-        offset = 0 if record["method"] == method else 2
+        entry = totals.setdefault(record["question_id"], [0.0] * 8)
+        offset = 0 if record["method"] == method else 4
         entry[offset] += len(record["tokens"]) - 1
         entry[offset + 1] += len(record["steps"])
-    paired = [entry for entry in totals.values() if entry[1] and entry[3]]
+        entry[offset + 2] += len(record["tokens"])
+        timed = timed and "total_s" in record
+        entry[offset + 3] += record.get("total_s", 0.0)
+    paired = [entry for entry in totals.values() if entry[1] and entry[5]]
     if not paired:
         raise ValueError(f"no prompt answered by both {method!r} and {reference!r} with a step record")
-    counts = torch.tensor(paired, dtype=torch.float64)  # N×4
+    counts = torch.tensor(paired, dtype=torch.float64)  # N×8
     generator = torch.Generator().manual_seed(seed)
     drawn = counts[torch.randint(len(paired), (samples, len(paired)), generator=generator)].sum(dim=1)
     whole = counts.sum(dim=0)
-    tau, tau_reference = whole[0] / whole[1], whole[2] / whole[3]
-    resampled_tau, resampled_reference = drawn[:, 0] / drawn[:, 1], drawn[:, 2] / drawn[:, 3]
+    tau, tau_reference = whole[0] / whole[1], whole[4] / whole[5]
+    resampled_tau, resampled_reference = drawn[:, 0] / drawn[:, 1], drawn[:, 4] / drawn[:, 5]
+    speed_ratio = None
+    if timed and bool(whole[3] > 0) and bool(whole[7] > 0):
+        speed = (whole[2] / whole[3]) / (whole[6] / whole[7])
+        resampled_speed = (drawn[:, 2] / drawn[:, 3]) / (drawn[:, 6] / drawn[:, 7])
+        speed_ratio = percentile_interval(speed, resampled_speed, confidence)
     return {
         "prompts": len(paired),
         "tau": float(tau),
@@ -129,6 +141,7 @@ def paired_bootstrap(
             tau - tau_reference, resampled_tau - resampled_reference, confidence
         ),
         "ratio": percentile_interval(tau / tau_reference, resampled_tau / resampled_reference, confidence),
+        "speed_ratio": speed_ratio,
     }
 
 

@@ -290,13 +290,14 @@ def test_the_mt_bench_humaneval_config_gives_questions_of_both(tmp_path, monkeyp
     )
 
 
-def _turn(method, question, committed, forwards):
-    return {
+def _turn(method, question, committed, forwards, seconds=None):
+    turn = {
         "method": method,
         "question_id": question,
         "tokens": [0] * (committed + 1),
         "steps": [[0]] * forwards,
     }
+    return turn if seconds is None else {**turn, "total_s": seconds}
 
 
 def test_paired_bootstrap_golden_values():
@@ -322,6 +323,21 @@ def test_paired_bootstrap_golden_values():
     )
     with pytest.raises(ValueError, match="no prompt answered by both"):
         paired_bootstrap(reference, "m", "ref")
+    assert result["speed_ratio"] is None  # records without wall times
+
+
+def test_paired_bootstrap_of_tokens_per_second():
+    """tokens/s ÷ the reference's, paired by prompt: tokens ÷ seconds summed over the resampled
+    prompts. The method emits as many tokens in half the time on "a" and the same time on "b":
+    whole-sample ratio (4 + 10) / (1 + 2) ÷ (4 + 10) / (2 + 2) = 4/3; resamples of "a" alone: 2,
+    of "b" alone: 1."""
+    reference = [_turn("ref", "a", 3, 3, seconds=2.0), _turn("ref", "b", 9, 6, seconds=2.0)]
+    faster = [_turn("m", "a", 3, 2, seconds=1.0), _turn("m", "b", 9, 6, seconds=2.0)]
+    result = paired_bootstrap(reference + faster, "m", "ref", samples=500)
+    assert result["speed_ratio"]["estimate"] == pytest.approx(4 / 3)
+    assert result["speed_ratio"]["low"] == pytest.approx(1.0) and result["speed_ratio"][
+        "high"
+    ] == pytest.approx(2.0)
 
 
 def test_every_method_is_compared_with_the_reference_per_temperature_and_prompt_set():
