@@ -21,10 +21,10 @@ from safetensors.torch import save_file
 from specdraft.data.target import Target
 from specdraft.eval.decode import Generation, speculative_generate
 from specdraft.eval.drafters import Chain
-from specdraft.eval.feature_drafter import FeatureHeadDrafter
+from specdraft.eval.methods import drafter_for_head
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
-from specdraft.heads.eagle import FeatureHead
+from specdraft.heads.interface import DraftHead
 
 
 def write_serving_target(target: Target, out_dir: Path) -> Path:
@@ -122,14 +122,15 @@ def vllm_acceptance(metrics: dict[str, Any], depth: int) -> ChainAcceptance:
 
 
 def specdraft_chain_decode(
-    target: Target, head: FeatureHead, prompts: Sequence[list[int]], depth: int, max_new_tokens: int
+    target: Target, head: DraftHead, prompts: Sequence[list[int]], depth: int, max_new_tokens: int
 ) -> list[Generation]:
-    """Greedy chain decoding of every prompt with specdraft's loop (what vLLM's EAGLE proposer does)."""
+    """Greedy chain decoding of every prompt with specdraft's loop and the head's own drafter (what
+    vLLM's EAGLE and DFlash proposers do: a chain of ``depth`` drafts a step)."""
     runner = TargetRunner(target, head.target_taps)
     greedy = Sampling(temperature=0.0)
     generations = []
     for ids in prompts:
-        drafter = FeatureHeadDrafter(head, Chain(depth=depth))
+        drafter = drafter_for_head(head, Chain(depth=depth))
         with torch.inference_mode():
             generations.append(
                 speculative_generate(

@@ -42,6 +42,7 @@ KINDS = {
     "eagle3-full": {"draft_vocab_size": None},
     "medusa": {"num_heads": 2, "num_layers": 2, "own_lm_head": False},
     "medusa-own": {"num_heads": 2, "num_layers": 1, "own_lm_head": True},
+    "dflash": {"num_layers": 2, "block_size": 4, "mask_token_id": 7, "anchor_fraction": 0.5},
 }
 
 
@@ -80,6 +81,7 @@ def symbols(target, record: HeadRecord) -> dict:
         "3H": 3 * spec.hidden_size,
         "Q": spec.num_attention_heads * spec.head_dim,
         "KV": spec.num_kv_heads * spec.head_dim,
+        "D": spec.head_dim,
         "I": spec.intermediate_size,
         "V": spec.vocab_size,
         "Vd": record.config.get("draft_vocab_size") or spec.vocab_size,

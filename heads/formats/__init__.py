@@ -6,12 +6,13 @@
 
 | format      | kinds               | loaded by |
 |-------------|---------------------|-----------|
-| native      | medusa eagle eagle3 | specdraft-eval / specdraft-bench |
+| native      | every kind          | specdraft-eval / specdraft-bench |
 | eagle       | eagle               | the official SafeAILab/EAGLE code (EAGLE-1/2, HASS) |
-| vllm        | eagle eagle3        | vLLM (``method: eagle`` / ``eagle3``) |
-| speculators | eagle3              | vLLM, speculators format (method and depth in the config) |
+| vllm        | eagle eagle3 dflash | vLLM (``method: eagle`` / ``eagle3`` / ``dflash``) |
+| speculators | eagle3 dflash       | vLLM, speculators format (method and depth in the config) |
 | sglang      | eagle eagle3        | SGLang (``EAGLE`` / ``EAGLE3``) |
 | medusa      | medusa              | vLLM Medusa |
+| dflash      | dflash              | the official z-lab/dflash code (``DFlashDraftModel``); vLLM too |
 
 Every export is checked before anything is written: the head must have been trained for the
 target it is exported for (same shapes), its weights must be finite (a head read from a
@@ -32,6 +33,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from specdraft.heads.formats.dflash import (
+    DFLASH_ARCHITECTURE,
+    dflash_files,
+    dflash_record,
+    dflash_shapes,
+    is_dflash_config,
+)
 from specdraft.heads.formats.eagle import (
     EAGLE3_ARCHITECTURE,
     SGLANG_EAGLE_ARCHITECTURE,
@@ -90,10 +98,11 @@ class Format:
 FORMATS = {
     "native": Format(None, "specdraft-eval / specdraft-bench"),
     "eagle": Format(("eagle",), "the official SafeAILab/EAGLE code"),
-    "vllm": Format(("eagle", "eagle3"), "vLLM"),
-    "speculators": Format(("eagle3",), "vLLM (speculators format)"),
+    "vllm": Format(("eagle", "eagle3", "dflash"), "vLLM"),
+    "speculators": Format(("eagle3", "dflash"), "vLLM (speculators format)"),
     "sglang": Format(("eagle", "eagle3"), "SGLang"),
     "medusa": Format(("medusa",), "vLLM Medusa"),
+    "dflash": Format(("dflash",), "the official z-lab/dflash code (DFlashDraftModel); vLLM"),
 }
 
 
@@ -111,7 +120,8 @@ def export_files(
 
     target_lm_head V×H: needed only by a Medusa head that drafts through the target's lm_head.
     dtype: the floating-point dtype of the written weights (None: as trained).
-    speculative_tokens / verifier: the speculators format's proposal depth and target path.
+    speculative_tokens / verifier: the speculators format's proposal depth (EAGLE-3; a DFlash
+    block proposes ``block_size − 1``) and target path.
     """
     if format not in FORMATS:
         raise FormatError(f"unknown export format {format!r}; expected one of {sorted(FORMATS)}")
@@ -138,6 +148,9 @@ def export_files(
         expected = medusa_shapes(
             record.spec, config["num_heads"], config["num_hidden_layers"], config["original_lm_head"]
         )
+    elif record.kind == "dflash":
+        config, tensors = dflash_files(record, format, dtype_name, verifier)
+        expected = dflash_shapes(record.spec, int(record.config["num_layers"]))
     elif record.kind == "eagle":
         config, tensors = eagle_files(record, format, dtype_name)
         expected = eagle_shapes(record.spec, "fc.bias" in tensors)
@@ -205,6 +218,8 @@ def detect_format(config: dict[str, Any]) -> str:
     if isinstance(written_by, dict) and written_by.get("format") in FORMATS:
         return written_by["format"]
     architectures = config.get("architectures") or []
+    if DFLASH_ARCHITECTURE in architectures:
+        return "dflash"  # z-lab's layout (vLLM loads it as it is)
     if "speculators_model_type" in config:
         return "speculators"
     if config.get("model_type") == "medusa":
@@ -251,6 +266,10 @@ def record_from_files(
         record = native_record(config, tensors, where)
     elif format == "medusa":
         record = medusa_record(config, tensors, target_spec, target_lm_head)
+    elif format in ("dflash", "vllm", "speculators") and (format == "dflash" or is_dflash_config(config)):
+        layer_config = config.get("transformer_layer_config", config)
+        check_config_shapes(layer_config, target_spec, where)
+        record = dflash_record(config, tensors, target_spec, format)
     elif format in ("eagle", "vllm", "sglang", "speculators"):
         layer_config = config.get("transformer_layer_config", config)
         architectures = layer_config.get("architectures") or []
@@ -297,7 +316,7 @@ def native_shapes(record: HeadRecord) -> dict[str, tuple[int, ...]]:
         )
         try:
             head = build_head(record.kind, record.config, spec, weights)
-        except ValueError as error:
+        except (ValueError, NotImplementedError) as error:  # e.g. a rotary type no head implements
             raise FormatError(f"head {record.kind}: {error}") from None
     return {name: tuple(t.shape) for name, t in head.state_dict().items()}
 
