@@ -377,19 +377,28 @@ def choose_shape(
     measurement decides (0 finalists: the best prediction). The fastest shape is chosen only if
     it beats plain decoding by more than ``min_gain`` (0.05 = 5 %): a smaller lead is within the
     noise of a short measurement, and plain decoding is the side that cannot lose. A shape the
-    drafter refuses (a Medusa head has no dynamic trees) is skipped."""
+    drafter refuses (a Medusa head has no dynamic trees) is skipped; the shapes the drafter
+    itself proposes (:meth:`~specdraft.eval.drafters.Drafter.candidate_shapes`: a block
+    drafter's deep chains) are tried after the configured ones."""
     plain = Prediction({"kind": PLAIN}, 1.0, 1.0, 0.0, latency.plain_s, 0.0)
     predictions, drafters = [plain], {}
-    for config in tqdm(candidates, desc="shape: auto", unit="shape", disable=not progress):
+    pending = [dict(config) for config in candidates]
+    progress_bar = tqdm(total=len(pending), desc="shape: auto", unit="shape", disable=not progress)
+    for config in pending:  # grows by the drafter's own candidates
+        progress_bar.update()
         try:
             drafter = make_drafter(tree_shape(config))
         except ValueError as error:
-            log.info("shape: auto skips %s (%s)", dict(config), error)
+            log.info("shape: auto skips %s (%s)", config, error)
             continue
+        proposed = [shape for shape in drafter.candidate_shapes() if shape not in pending]
+        pending.extend(proposed)
+        progress_bar.total += len(proposed)
         on_device = runner.static and drafter.rounds_on_device(GREEDY)
         prediction = predict(config, simulate(drafter, calibrations, runner.device, on_device), latency)
         predictions.append(prediction)
         drafters[id(prediction)] = drafter
+    progress_bar.close()
     speed = lambda p: p.tokens_per_s  # noqa: E731
     if finalists > 0:
         ranked = sorted(predictions[1:], key=lambda p: p.tokens_per_s, reverse=True)[:finalists]

@@ -24,15 +24,17 @@ Tests plug oracle / adversarial drafts in through ``score_filter``: it sees each
 distribution with the context it is conditioned on, and may rewrite it.
 
 The drafters themselves live beside this module: :mod:`specdraft.eval.feature_drafter` (EAGLE
-heads), :mod:`specdraft.eval.medusa_drafter`, :mod:`specdraft.eval.draft_model` (a draft LM) and
-:mod:`specdraft.eval.lookahead`; :func:`specdraft.eval.methods.drafter_for_head` picks a trained
-head's.
+heads), :mod:`specdraft.eval.medusa_drafter` and :mod:`specdraft.eval.block_drafter` (DFlash),
+both on :mod:`specdraft.eval.parallel_drafter` (every depth ranked in one forward),
+:mod:`specdraft.eval.draft_model` (a draft LM) and :mod:`specdraft.eval.lookahead`;
+:func:`specdraft.eval.methods.drafter_for_head` picks a trained head's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -170,6 +172,12 @@ class Drafter:
         if tree is None:
             tree = self._trees[paths] = tree_buffers(paths)
         return tree
+
+    def candidate_shapes(self) -> list[dict[str, Any]]:
+        """Shape configs (``{kind: chain, depth: 8}``, …) that ``shape: auto`` tries for this
+        drafter beside the configured candidates (:func:`specdraft.eval.autoshape.choose_shape`):
+        shapes the configured list cannot know, such as a block drafter's deep chains. None here."""
+        return []
 
     def reset(self) -> None:
         self.history = []

@@ -1,28 +1,19 @@
 """The drafter of Medusa heads: every head ranks its own position from one hidden state, so
-the tree is static (or a chain)."""
+the tree is static (or a chain): :class:`~specdraft.eval.parallel_drafter.ParallelDrafter`."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from specdraft.eval.drafters import (
-    Chain,
-    Draft,
-    Drafter,
-    DraftNode,
-    DynamicTree,
-    ScoreFilter,
-    TreeGrowth,
-    TreeShape,
-)
+from specdraft.eval.drafters import Chain, DynamicTree, ScoreFilter, TreeShape
 from specdraft.eval.kernels import compiled_step
+from specdraft.eval.parallel_drafter import ParallelDrafter
 from specdraft.eval.runner import TargetOutput
-from specdraft.eval.sampling import Sampling
 from specdraft.heads.medusa import MedusaHead
 
 
-class MedusaDrafter(Drafter):
+class MedusaDrafter(ParallelDrafter):
     """Medusa heads: head k ranks the token k+2 positions after the last committed one, all
     from that position's target hidden state, so a node's candidates do not depend on the
     drafted prefix and the tree is static (or a chain). ``compile``: the heads through
@@ -64,31 +55,6 @@ class MedusaDrafter(Drafter):
         super().commit(tokens, target, next_token)
         self.last_hidden = target.hidden[-1:].to(self.device, self.dtype)
 
-    @torch.no_grad()
-    def draft(self, root: int, sampling: Sampling, generator: torch.Generator | None = None) -> Draft:
-        log_probs = self._heads(self.last_hidden)[:, 0].float().log_softmax(-1)  # K×V
-        if self.score_filter is not None:
-            context = [*self.history, root]
-            log_probs = torch.cat(
-                [
-                    self._filtered([context], k, log_probs[k : k + 1], self.to_target)
-                    for k in range(len(log_probs))
-                ]
-            )
-        growth = TreeGrowth([DraftNode(root, -1, 0, ())])
-        if isinstance(self.shape, Chain):
-            step = lambda node: log_probs[growth.nodes[node].depth]  # noqa: E731
-            return self._chain(growth, log_probs[0], step, self.to_target, sampling, generator)
-        paths = sorted(self.shape.paths, key=lambda p: (len(p), p))
-        width = [0] * max(len(p) for p in paths)
-        for path in paths:
-            width[len(path) - 1] = max(width[len(path) - 1], path[-1] + 1)
-        ranked = [log_probs[d].topk(w) for d, w in enumerate(width)]
-        by_path = {(): 0}
-        for path in paths:
-            top = ranked[len(path) - 1]
-            rank = path[-1]
-            by_path[path] = growth.add(
-                int(top.indices[rank]), by_path[path[:-1]], rank, float(top.values[rank])
-            )
-        return growth.draft(list(range(1, len(growth.nodes))), self._memoised_tree)
+    def depth_log_probs(self, root: int) -> Tensor:
+        """Head k ranks depth k + 1: K×V from the last committed position's hidden state."""
+        return self._heads(self.last_hidden)[:, 0].float().log_softmax(-1)

@@ -34,6 +34,7 @@ from specdraft.data.target import Target
 from specdraft.eval.autoshape import PLAIN, ShapeChoice
 from specdraft.eval.baselines import hf_generate
 from specdraft.eval.batch import BatchRunner, plain_generate_batch, speculative_generate_batch
+from specdraft.eval.block_drafter import BlockDrafter
 from specdraft.eval.decode import Generation, Typical, plain_generate, speculative_generate
 from specdraft.eval.draft_model import DraftModelDrafter
 from specdraft.eval.drafters import Chain, Drafter, DynamicTree, StaticTree, TreeShape
@@ -43,6 +44,7 @@ from specdraft.eval.medusa_drafter import MedusaDrafter
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.trees import best_static_tree
+from specdraft.heads.dflash import DFlashHead
 from specdraft.heads.eagle import FeatureHead
 from specdraft.heads.medusa import MedusaHead
 
@@ -202,15 +204,17 @@ def drafter_for_head(
     graphs: bool = False,
 ) -> Drafter:
     """The drafter of a trained head — the one place that maps a head's kind to how it drafts:
-    feature heads autoregressively (a shortlist applies to EAGLE-1/2), Medusa heads in parallel
-    (a shortlist is ignored: its heads rank their own vocabulary). ``graphs``: CUDA graphs for the
-    drafters whose steps have static shapes."""
+    feature heads autoregressively (a shortlist applies to EAGLE-1/2), Medusa heads and DFlash
+    blocks in parallel (a shortlist is ignored: they rank the whole vocabulary of their readout).
+    ``graphs``: CUDA graphs for the drafters whose steps have static shapes."""
     if isinstance(head, FeatureHead):
         return FeatureHeadDrafter(
             head, shape, vocab_shortlist=vocab_shortlist, compile=compile, graphs=graphs
         )
     if isinstance(head, MedusaHead):
         return MedusaDrafter(head, shape, compile=compile)
+    if isinstance(head, DFlashHead):
+        return BlockDrafter(head, shape)
     raise ValueError(f"no drafter for a {type(head).__name__}")
 
 

@@ -41,7 +41,11 @@ def save_tiny_checkpoint(path: Path, kind: str = "eagle") -> Path:
     """A head checkpoint in the layout specdraft-train writes (random weights)."""
     target = tiny_random_target(seed=0)
     torch.manual_seed(0)
-    config = {"eagle": {"fc_bias": False}, "medusa": {"num_heads": 4, "num_layers": 1, "own_lm_head": False}}
+    config = {
+        "eagle": {"fc_bias": False},
+        "medusa": {"num_heads": 4, "num_layers": 1, "own_lm_head": False},
+        "dflash": {"num_layers": 1, "block_size": 16, "mask_token_id": None, "anchor_fraction": 0.5},
+    }
     head = build_head(kind, config[kind], target.spec, target_weights(target))
     record = {"kind": kind, "config": head.config.to_dict(), "target_spec": target.spec.to_dict()}
     torch.save(
@@ -526,6 +530,19 @@ def test_bench_medusa_methods_label_typical_acceptance_lossy(tmp_path):
     sampled = report["results"]["T=1"]["medusa_tree"]["overall"]
     depth = len(cfg.methods.medusa_tree.shape.rank_accept)
     assert_tau_matches_acceptance(sampled, turns=sampled["turns"], max_depth=depth)
+
+
+def test_bench_dflash_methods_decode_losslessly_and_auto_tries_the_whole_block(tmp_path):
+    """A DFlash checkpoint through specdraft-bench (methods=dflash): the runner captures its taps,
+    every shape reproduces plain greedy decoding, and shape: auto simulates the block's chains."""
+    overrides = ("methods=dflash", "temperatures=[0.0]", "auto_shape.candidates=[${shapes.chain2}]")
+    cfg = compose_bench(tmp_path, "bench", *overrides, "auto_shape.finalists=1", kind="dflash")
+    report = run(cfg)
+    greedy = report["results"]["T=0"]
+    for name in cfg.methods:
+        assert greedy[name]["lossless"]["exact_turns"] == 3, name
+    tried = [p["shape"] for p in report["methods"]["dflash_auto"]["auto_shape"]["predictions"]]
+    assert {"kind": "chain", "depth": 15} in tried and {"kind": "chain", "depth": 8} in tried
 
 
 def test_the_machine_record_names_the_gpu_beside_its_host(monkeypatch):
