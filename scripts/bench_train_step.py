@@ -62,6 +62,8 @@ VARIANTS = {
     "dflash": ["experiment=dflash"],
     "dflash_l2": ["experiment=dflash", "head.config.num_layers=2"],
     "dflash_b8": ["experiment=dflash", "head.config.block_size=8", "loss.rollout.step_weight_base=0.7788"],
+    "dflash_v8k": ["experiment=dflash", "loss.draft_vocab_size=8192"],
+    "dflash_l2_v8k": ["experiment=dflash", "head.config.num_layers=2", "loss.draft_vocab_size=8192"],
 }
 BASE_VARIANTS = ["eagle", "hass", "eagle3", "hass_eagle3", "medusa"]
 
