@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specdraft.data.features import FeatureBatch, target_topk
-from specdraft.heads.interface import DraftHead, shift_left
+from specdraft.heads.interface import DraftHead, TrainingPredictions, shift_left
 from specdraft.heads.vocab import VocabProjection, VocabRestriction
 from specdraft.train.fused import (
     TERMS,
@@ -178,7 +178,9 @@ class DraftObjective:
         return self._output(fused, features_loss, step_weights)
 
     @staticmethod
-    def _step_groups(predictions, steps: int, split: int):
+    def _step_groups(
+        predictions: TrainingPredictions, steps: int, split: int
+    ) -> list[tuple[slice, bool, Tensor | None]]:
         """(steps, over the rollout vocabulary?, columns) per call of the fused losses: with
         positions shared by the steps, the steps before ``split`` and those after (all columns:
         None); with each step's own positions (a block drafter), one step at a time, over its
