@@ -25,7 +25,7 @@ exponential decay exp(−(k−1)/γ) is base e^(−1/γ).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdraft.heads.frozen import TargetWeights
-from specdraft.heads.interface import DraftHead, TrainingBatch, TrainingPredictions, shift_left
+from specdraft.heads.interface import DraftHead, TrainingBatch, TrainingPredictions, supervised_mask
 from specdraft.heads.layers import MLP, RMSNorm, apply_rotary, rotary_tables
 from specdraft.heads.spec import TargetSpec
 from specdraft.heads.vocab import VocabProjection
@@ -215,9 +215,7 @@ class DFlashHead(DraftHead):
                 f"DFlash mask_token_id={mask_token_id} is not a token of the target's "
                 f"{spec.vocab_size}-token vocabulary"
             )
-        self.config = DFlashConfig(
-            config.num_layers, config.block_size, mask_token_id, config.anchor_fraction
-        )
+        self.config = replace(config, mask_token_id=mask_token_id)  # resolved: checkpoints record it
         hidden = spec.hidden_size
         self.register_buffer("target_embedding", weights.embedding, persistent=False)
         self.fc = nn.Linear(len(spec.aux_layer_ids) * hidden, hidden, bias=False)
@@ -287,7 +285,7 @@ class DFlashHead(DraftHead):
         a generator seeded with the batch's ``seed`` when training (the global one without), from
         one seeded with :data:`VALIDATION_ANCHOR_SEED` otherwise: every validation scores the
         same blocks, and a resumed run trains on the blocks an uninterrupted one would."""
-        candidates = (shift_left(batch.loss_mask) * shift_left(batch.attention_mask)).bool()
+        candidates = supervised_mask(batch)
         counts = candidates.sum(1)
         wanted = torch.where(counts > 0, (counts * self.config.anchor_fraction).ceil().long().clamp(min=1), 0)
         width = max(int(wanted.max()), 1)
@@ -321,7 +319,7 @@ class DFlashHead(DraftHead):
         outputs = self.block_outputs(blocks, context_kv, features.dtype)  # B×n×k×H
         steps_ahead = torch.arange(1, self.block_size, device=anchors.device)  # j = 1..k−1
         positions = anchors.unsqueeze(0) + (steps_ahead - 1).view(-1, 1, 1)  # S×B×n: q = a+j−1
-        supervised = (shift_left(batch.loss_mask) * shift_left(batch.attention_mask)).bool()
+        supervised = supervised_mask(batch)
         # Past the end: clamped to the last position, whose next token is never supervised.
         positions = positions.clamp(max=length - 1)
         row = torch.arange(rows, device=anchors.device).view(1, -1, 1).expand_as(positions)

@@ -75,10 +75,14 @@ def shift_left(x: Tensor, fill: float | int = 0) -> Tensor:
     return torch.cat([x[:, 1:], torch.full_like(x[:, :1], fill)], dim=1)
 
 
+def supervised_mask(batch: TrainingBatch) -> Tensor:
+    """B×T bool: the positions whose next token is a (non-padding) assistant token."""
+    return (shift_left(batch.loss_mask) * shift_left(batch.attention_mask)).bool()
+
+
 def supervised_positions(batch: TrainingBatch) -> tuple[Tensor, Tensor]:
     """(b, p), N each: the positions whose next token is a (non-padding) assistant token."""
-    supervised = (shift_left(batch.loss_mask) * shift_left(batch.attention_mask)).bool()
-    return supervised.nonzero(as_tuple=True)
+    return supervised_mask(batch).nonzero(as_tuple=True)
 
 
 class DraftHead(nn.Module):

@@ -120,8 +120,7 @@ def dflash_files(
     """(config, tensors) of a DFlash head; engine: one of :data:`ENGINES`."""
     spec, head = record.spec, record.config
     num_layers, block_size = int(head["num_layers"]), int(head["block_size"])
-    mask_token_id = head.get("mask_token_id")
-    mask_token_id = spec.vocab_size - 1 if mask_token_id is None else int(mask_token_id)  # as the head
+    mask_token_id = int(head["mask_token_id"])  # resolved by the head, as its record keeps it
     aux = list(spec.aux_layer_ids)
     zlab_ids = zlab_layer_ids(spec.aux_layer_ids)
     if engine in ("dflash", "vllm"):
