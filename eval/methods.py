@@ -369,6 +369,8 @@ def _check_method(name: str, config: Mapping[str, Any]) -> None:
     if kind not in METHOD_BUILDERS:
         raise ValueError(f"type must be one of {METHOD_TYPES}, got {kind!r}")
     if kind == "head":
+        if "checkpoint" in config and not config["checkpoint"]:  # (auto_shape's pseudo-method has none)
+            raise ValueError("checkpoint is not set: expected a training checkpoint (.ckpt) or an export directory")
         shape = dict(config.get("shape") or {})
         shapes = (shape.get("candidates") or []) if shape.get("kind") == AUTO else [shape]
         for candidate in shapes:

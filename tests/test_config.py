@@ -146,6 +146,15 @@ def test_every_method_preset_resolves_its_shapes_to_mappings(methods):
     assert all(c["kind"] in {"chain", "dynamic"} for c in candidates)
 
 
+def test_a_head_method_without_a_checkpoint_is_one_clear_error():
+    from specdraft.eval.cli import method_configs
+    from specdraft.eval.methods import method_problems
+
+    problems = method_problems(method_configs(compose_bench("methods=equal_tokens")))
+    assert problems and all("checkpoint is not set" in p for p in problems)
+    assert {p.split(":")[0] for p in problems} == {f"methods.eagle{k}_{s}" for k in (2, 3) for s in ("tree", "chain")}
+
+
 def test_named_inline_and_unknown_shapes():
     from specdraft.eval.cli import method_configs
 
@@ -233,6 +242,8 @@ def test_every_composed_command_config_passes_its_checks(name, overrides):
     from specdraft.train import export
 
     checkpoint = ["checkpoint=head.ckpt"] if name in ("bench", "eval", "export") else []
+    if "methods=equal_tokens" in overrides:  # the preset's other heads, by name
+        checkpoint += ["+heads.eagle2=eagle2.ckpt", "+heads.eagle3=eagle3.ckpt"]
     cfg = compose_command(name, *checkpoint, *overrides)
     if name in ("bench", "eval"):
         eval_cli.check_bench_settings(cfg)
