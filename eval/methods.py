@@ -370,7 +370,7 @@ def _check_method(name: str, config: Mapping[str, Any]) -> None:
         raise ValueError(f"type must be one of {METHOD_TYPES}, got {kind!r}")
     if kind == "head":
         if "checkpoint" in config and not config["checkpoint"]:  # (auto_shape's pseudo-method has none)
-            raise ValueError("checkpoint is not set: expected a training checkpoint (.ckpt) or an export directory")
+            raise ValueError("checkpoint is not set: expected a training checkpoint (.ckpt) or an export dir")
         shape = dict(config.get("shape") or {})
         shapes = (shape.get("candidates") or []) if shape.get("kind") == AUTO else [shape]
         for candidate in shapes:
