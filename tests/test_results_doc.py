@@ -175,7 +175,7 @@ def test_regeneration_is_read_from_the_reports_specdraft_regen_writes(results, t
         "tokens_per_s": 10_000.0,
     }
     entry |= {"run": {"machine": "H100", "command": "specdraft-regen", "conditions": "alone"}, "about": "."}
-    lines = results.regen_section(entry)
+    lines = results.sections.regen_section(entry)
     assert (
         "| rows auto | new1234 | 1024 | 100,000 | 10 | 10,000 | 4.00× |" in lines
     )  # against the oldest, last
@@ -227,7 +227,7 @@ def test_the_ablation_pairs_every_head_with_eagle2_per_prompt_set_and_temperatur
     depth = {"about": "depth", "runs": {}}
     run = {"machine": "m", "command": "c", "conditions": "x"}
     snapshot = {**entry, "run": run, "training": {}, "depth": depth}
-    text = "\n".join(results.ablation_section(snapshot))
+    text = "\n".join(results.sections.ablation_section(snapshot))
     assert "MT-bench (1 prompts), T=0 and T=1:" in text
     assert "| eagle | 2.000 | 1.00 | 1 (reference) | – |" in text
     assert "| hass | 4.000 | 1.00 | 2.000 [2.000, 2.000] | +2.000 [+2.000, +2.000] |" in text
@@ -247,4 +247,4 @@ def test_training_speed_is_read_from_a_bench_train_step_output(results, tmp_path
         "commit": "abc1234",
     }
     snapshot = {"about": ".", "entries": [{**entry, "run": {**run, "conditions": "alone"}}]}
-    assert "| `eagle` | 2194 |" in results.train_speed_section(snapshot)
+    assert "| `eagle` | 2194 |" in results.sections.train_speed_section(snapshot)
