@@ -8,13 +8,18 @@ snapshots in docs/results/ (committed, so any clone re-renders it byte for byte)
       --command "specdraft-bench methods=decoder …" --commit abc1234 --conditions "…"
   python scripts/results.py record regen "plain, rows auto:abc1234:outputs/regen/x.jsonl" … \\
       --machine-class "…" --command "specdraft-regen …" --conditions "…"
+  python scripts/results.py record bench block outputs/bench/block [outputs/bench/block_t1 …] \\
+      --reference eagle2_tree --training eagle2=outputs/train/eagle2/summary.json … \\
+      --settings eagle2="…" … --machine-class "…" --command "…" --commit abc1234 --conditions "…"
 
 A snapshot holds the numbers its section shows AND how they were obtained, as data: ``run`` =
 {machine, command, commit, prompts, conditions}. Sections with several machine classes
 (quickstart, decoder, training speed) keep one entry per class: a new result REPLACES its
 predecessor for that class (git keeps the history). ``record`` turns a command's outputs into an
 entry — ``bench``: a ``specdraft-bench`` report.json (quickstart: its eval's; ablation: the
-interleaved heads, each against EAGLE-2 by eval.report.compare_with_reference); ``regen``: the
+interleaved heads, each against EAGLE-2 by eval.report.compare_with_reference; block: one or more
+interleaved runs, their records merged, every drafting method against ``--reference`` by
+eval.report.paired_bootstrap, and each head's training run from its summary.json); ``regen``: the
 reports ``specdraft-regen`` writes beside its outputs (data.regen.report_path);
 ``train_speed``: a scripts/bench_train_step.py output. The sweep, recipe and evidence snapshots
 are written by hand from ``specdraft-sweep-report`` / training summaries / the other sections.
@@ -30,7 +35,7 @@ from pathlib import Path
 
 from specdraft.data.regen import report_path
 from specdraft.eval.bench import read_records
-from specdraft.eval.report import compare_with_reference, summarize
+from specdraft.eval.report import compare_with_reference, paired_bootstrap, summarize
 from specdraft.system.files import write_bytes_atomic, write_json_atomic
 
 # The section renderers live beside this script; its directory is on sys.path when it runs as
@@ -101,6 +106,76 @@ def bench_entry(out_dir: Path, section: str) -> dict:
     return entry
 
 
+def block_entry(
+    out_dirs: list[Path], reference: str, training: dict[str, str], settings: dict[str, str]
+) -> dict:
+    """The block drafter's comparison: one or more interleaved ``specdraft-bench`` runs (their
+    records merged per temperature), every method paired with ``reference`` per prompt set and
+    temperature, and each head's training run (``training``: head -> its summary.json)."""
+    records: list[dict] = []
+    seen: set[tuple] = set()
+    for out_dir in out_dirs:
+        for r in read_records(out_dir):
+            key = (r["method"], r["question_id"], r["turn"], r["temperature"])
+            if key in seen:
+                sys.exit(f"{out_dir}: {key} is in another source too: one run per method and temperature")
+            seen.add(key)
+            records.append(r)
+    reports = [json.loads((out_dir / "report.json").read_text()) for out_dir in out_dirs]
+    results: dict = {}
+    prompts: dict = {}
+    for temperature in sorted({r["temperature"] for r in records}):
+        key = f"T={temperature:g}"
+        for name, member in PROMPT_SETS.items():
+            rows = [r for r in records if r["temperature"] == temperature and member(r["category"])]
+            if rows:
+                prompts.setdefault(key, {})[name] = len({r["question_id"] for r in rows})
+                results.setdefault(key, {})[name] = against(rows, reference)
+    return {
+        "reference": reference,
+        # the tables' order (the snapshot's keys are written sorted): the bench's, then PROMPT_SETS'
+        "methods": list(dict.fromkeys(r["method"] for r in records)),
+        "prompt_sets": [name for name in PROMPT_SETS if any(name in sets for sets in results.values())],
+        "shapes": {method: shape for report in reports for method, shape in shapes(report).items()},
+        "training": [
+            {"head": head, **trained(Path(path), settings.get(head))} for head, path in training.items()
+        ],
+        "prompts": prompts,
+        "results": results,
+    }
+
+
+def against(rows: list[dict], reference: str) -> dict:
+    """Each method's numbers on ``rows`` (one temperature, one prompt set) and, for a drafting
+    method (its records have steps) where ``reference`` ran too, eval.report.paired_bootstrap
+    against it (compare_with_reference would also pair the step-less HF baselines, and it keeps
+    no draft / verify ms)."""
+    stepped = {r["method"] for r in rows if r.get("steps") is not None}
+    compared = {}
+    for method, entry in next(iter(summarize(rows).values())).items():
+        compared[method] = measured(entry)
+        if method not in ("plain", reference) and {method, reference} <= stepped:
+            compared[method]["against_reference"] = paired_bootstrap(rows, method, reference)
+    return compared
+
+
+def trained(summary_path: Path, settings: str | None) -> dict:
+    """One head's training run from its summary.json: the final weights' held-out accuracies per
+    drafted step and simulated τ (``final_val``, else the last periodic validation's)."""
+    summary = json.loads(summary_path.read_text())
+    val = {**summary.get("last_val", {}), **summary.get("final_val", {})}
+    acc = []
+    while f"val/acc_{len(acc) + 1}" in val:
+        acc.append(val[f"val/acc_{len(acc) + 1}"])
+    keys = ("kind", "global_step", "tokens_seen", "train_tokens_per_s", "trainable_parameters")
+    return {
+        **{k: summary.get(k) for k in keys},
+        "acc": acc,
+        "sim_tau": val.get("val/sim_tau"),
+        "settings": settings,
+    }
+
+
 def shapes(report: dict) -> dict[str, str]:
     """Each head method's tree, as the tables name it."""
     configs = report["config"].get("methods") or {}
@@ -148,11 +223,24 @@ RECORDERS = {  # record KIND -> (its sources -> the entry's numbers)
 }
 
 
+def named(pairs: list[str] | None) -> dict[str, str]:
+    """``NAME=VALUE`` arguments (``--training``, ``--settings``) as {NAME: VALUE}, in their order."""
+    if bad := [pair for pair in pairs or [] if "=" not in pair]:
+        sys.exit(f"{bad[0]!r}: expected NAME=VALUE")
+    return dict(pair.split("=", 1) for pair in pairs or [])
+
+
 def record(args: argparse.Namespace) -> None:
     """Write one snapshot entry with its conditions: in a section per machine class (ENTRIES), in
     place of the entry of the same class; elsewhere in place of the section's numbers."""
     source = Path(args.source[0])
-    entry = bench_entry(source, args.section) if args.kind == "bench" else RECORDERS[args.kind](args.source)
+    if args.kind == "bench" and args.section == "block":
+        training, settings = named(args.training), named(args.settings)
+        entry = block_entry([Path(s) for s in args.source], args.reference, training, settings)
+    elif args.kind == "bench":
+        entry = bench_entry(source, args.section)
+    else:
+        entry = RECORDERS[args.kind](args.source)
     machine = args.machine
     if machine is None and args.kind == "bench":
         machine = machine_line(json.loads((source / "report.json").read_text())["machine"])
@@ -166,7 +254,8 @@ def record(args: argparse.Namespace) -> None:
         "conditions": args.conditions,
     }
     path = SNAPSHOTS / f"{args.section}.json"
-    snapshot = json.loads(path.read_text()) if path.is_file() else {"about": "", "entries": []}
+    fresh = {"about": "", "entries": []} if args.section in ENTRIES else {"about": ""}
+    snapshot = json.loads(path.read_text()) if path.is_file() else fresh
     if args.section in ENTRIES:
         kept = [e for e in snapshot["entries"] if e["run"]["machine_class"] != args.machine_class]
         snapshot["entries"] = [entry, *kept]
@@ -191,6 +280,18 @@ def render(snapshots: Path | None = None) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+def block_flags_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``record``'s block-only flags, if anything."""
+    is_block = (args.kind, args.section) == ("bench", "block")
+    if is_block and args.reference is None:
+        return "record bench block needs --reference <the EAGLE-2 method>"
+    if not is_block and (args.reference or args.training or args.settings):
+        return "--reference, --training and --settings are for record bench block only"
+    if not set(named(args.settings)) <= set(named(args.training)):
+        return "--settings NAME=…: each NAME needs its --training NAME=…"
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -201,14 +302,21 @@ def main() -> None:
     recorder.add_argument("kind", choices=("bench", *RECORDERS))
     recorder.add_argument("section", help="the snapshot: docs/results/<section>.json")
     sources = (
-        "bench: its output dir; regen: LABEL:COMMIT:OUT_PATH …; train_speed: bench_train_step.py's --out"
+        "bench: its output dir (block: one or more); regen: LABEL:COMMIT:OUT_PATH …; "
+        "train_speed: bench_train_step.py's --out"
     )
     recorder.add_argument("source", nargs="+", help=sources)
     for flag in ("--machine-class", "--command", "--conditions"):
         recorder.add_argument(flag, required=True)
     for flag in ("--commit", "--prompts", "--name", "--machine"):  # --machine: default the report's
         recorder.add_argument(flag)
+    block = "bench block only: "
+    recorder.add_argument("--reference", help=block + "the EAGLE-2 method every method is paired with")
+    recorder.add_argument("--training", action="append", help=block + "NAME=<run dir>/summary.json (repeat)")
+    recorder.add_argument("--settings", action="append", help=block + 'NAME="a head\'s settings" (repeat)')
     args = parser.parse_args()
+    if args.action == "record" and (error := block_flags_error(args)):
+        parser.error(error)
     if args.action == "record":
         record(args)
     text = render()

@@ -153,6 +153,87 @@ def ablation_section(snapshot: dict) -> list[str]:
     return [*lines, *depth_lines(snapshot["depth"], "EAGLE-2")]
 
 
+def block_section(snapshot: dict) -> list[str]:
+    title = "## A block drafter against EAGLE-2 and EAGLE-3: the same data, the same training tokens"
+    lines = [title, "", *run_lines(snapshot["run"])]
+    if snapshot.get("about"):
+        lines += [snapshot["about"], ""]
+    rows = [
+        [
+            t["head"],
+            t["kind"] or "–",
+            t["settings"] or "–",
+            f"{t['global_step']:,}",
+            f"{t['tokens_seen']:,}",
+            fmt(t["train_tokens_per_s"], ",.0f"),
+            fmt(t["trainable_parameters"] and t["trainable_parameters"] / 1e6, ".1f", "M"),
+            " / ".join(f"{a:.3f}" for a in t["acc"][:4]) or "–",
+            fmt(t["sim_tau"], ".3f"),
+        ]
+        for t in snapshot["training"]
+    ]
+    header = ["head", "kind", "settings", "steps", "tokens seen", "train tokens/s", "trainable"]
+    lines += table([*header, "held-out acc_1..4 (final)", "simulated τ (final)"], rows)
+    reference, shapes, prompts = snapshot["reference"], snapshot["shapes"], snapshot["prompts"]
+    greedy, sampled = (ordered(snapshot, snapshot["results"].get(t, {})) for t in ("T=0", "T=1"))
+    for name, methods in greedy:
+        lines += [f"{name} ({prompts['T=0'][name]} prompts), T=0, paired with `{reference}`:", ""]
+        lookup = (methods.get("hf_prompt_lookup") or {}).get("tokens_per_s")
+        rows = [
+            [
+                method,
+                shapes.get(method, "–"),
+                fmt(r.get("tau")),
+                alphas((r.get("acceptance_per_depth") or [])[:7]),
+                fmt(r.get("tokens_per_s"), ".1f"),
+                fmt(r.get("speedup"), ".2f", "×"),
+                fmt(r["tokens_per_s"] / lookup if lookup and "tokens_per_s" in r else None, ".2f", "×"),
+                paired(r, "ratio", method == reference),
+                paired(r, "speed_ratio", method == reference),
+                f"{fmt(r.get('draft_ms'), '.1f')} / {fmt(r.get('verify_ms'), '.1f')}",
+                r.get("identical", "–"),
+            ]
+            for method, r in methods.items()
+        ]
+        header = ["method", "shape", "τ", "α per depth", "tok/s", "× plain", "× HF prompt lookup"]
+        ratios = ["τ ÷ ref [95% CI]", "tok/s ÷ ref [95% CI]", "draft / verify ms", "identical to plain"]
+        lines += table([*header, *ratios], rows)
+    rows = [
+        [
+            f"{name} ({prompts['T=1'][name]})",
+            method,
+            fmt(r.get("tau")),
+            paired(r, "ratio", method == reference),
+            paired(r, "speed_ratio", method == reference),
+            fmt(r.get("speedup"), ".2f", "×"),
+        ]
+        for name, methods in sampled
+        for method, r in methods.items()
+        if method != "plain"  # the yardstick of × plain
+    ]
+    if rows:
+        header = ["prompts", "method", "τ", "τ ÷ ref [95% CI]", "tok/s ÷ ref [95% CI]", "× plain"]
+        lines += [f"T=1, the methods run at T=1, paired with `{reference}`:", "", *table(header, rows)]
+    return lines
+
+
+def ordered(snapshot: dict, sets: dict) -> list[tuple[str, dict]]:
+    """A temperature's prompt sets and their methods in the snapshot's order (as the bench ran)."""
+    return [
+        (name, {m: sets[name][m] for m in snapshot["methods"] if m in sets[name]})
+        for name in snapshot["prompt_sets"]
+        if name in sets
+    ]
+
+
+def paired(row: dict, key: str, is_reference: bool) -> str:
+    """A method's ``key`` interval against the reference; "–" where it was not paired."""
+    if is_reference:
+        return "1 (reference)" if key == "ratio" else "1"
+    compared = row.get("against_reference")
+    return interval(compared, key, ".3f") if compared and compared.get(key) else "–"
+
+
 def depth_lines(depth: dict, reference: str) -> list[str]:
     """The own- vs target-feature chain acceptance per depth (specdraft-depth-acceptance)."""
     rows = []
@@ -318,6 +399,7 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "quickstart": quickstart_section,
     "decoder": decoder_section,
     "ablation": ablation_section,
+    "block": block_section,
     "sweep": sweep_section,
     "recipe": recipe_section,
     "lookahead": lookahead_section,
