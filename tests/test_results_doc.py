@@ -37,7 +37,8 @@ def test_the_committed_doc_renders_byte_identical_from_the_snapshots_alone(resul
 def test_the_doc_keeps_to_the_current_state(results) -> None:
     text = (ROOT / "docs" / "results.md").read_text()
     lines = text.splitlines()
-    assert len(lines) <= 350 and len(list((ROOT / "docs" / "results").iterdir())) <= 12
+    # 400: room for one more equal-token comparison section (the block drafter's)
+    assert len(lines) <= 400 and len(list((ROOT / "docs" / "results").iterdir())) <= 12
     assert "A new result replaces its predecessor for that machine class" in "\n".join(lines[:4])
     titles = [line for line in lines if line.startswith("#")]
     assert not [t for t in titles if re.search(r"\b[0-9a-f]{7,40}\b", t)], "no commit hash in a title"
@@ -175,7 +176,7 @@ def test_regeneration_is_read_from_the_reports_specdraft_regen_writes(results, t
         "tokens_per_s": 10_000.0,
     }
     entry |= {"run": {"machine": "H100", "command": "specdraft-regen", "conditions": "alone"}, "about": "."}
-    lines = results.regen_section(entry)
+    lines = results.sections.regen_section(entry)
     assert (
         "| rows auto | new1234 | 1024 | 100,000 | 10 | 10,000 | 4.00× |" in lines
     )  # against the oldest, last
@@ -227,7 +228,7 @@ def test_the_ablation_pairs_every_head_with_eagle2_per_prompt_set_and_temperatur
     depth = {"about": "depth", "runs": {}}
     run = {"machine": "m", "command": "c", "conditions": "x"}
     snapshot = {**entry, "run": run, "training": {}, "depth": depth}
-    text = "\n".join(results.ablation_section(snapshot))
+    text = "\n".join(results.sections.ablation_section(snapshot))
     assert "MT-bench (1 prompts), T=0 and T=1:" in text
     assert "| eagle | 2.000 | 1.00 | 1 (reference) | – |" in text
     assert "| hass | 4.000 | 1.00 | 2.000 [2.000, 2.000] | +2.000 [+2.000, +2.000] |" in text
@@ -247,4 +248,100 @@ def test_training_speed_is_read_from_a_bench_train_step_output(results, tmp_path
         "commit": "abc1234",
     }
     snapshot = {"about": ".", "entries": [{**entry, "run": {**run, "conditions": "alone"}}]}
-    assert "| `eagle` | 2194 |" in results.train_speed_section(snapshot)
+    assert "| `eagle` | 2194 |" in results.sections.train_speed_section(snapshot)
+
+
+def bench_dir(out_dir: Path, records: list[dict], methods: dict) -> Path:
+    """A ``specdraft-bench`` output dir as eval.bench.read_records reads it."""
+    out_dir.mkdir()
+    (out_dir / "report.json").write_text(json.dumps({"machine": MACHINE, "config": {"methods": methods}}))
+    (out_dir / RECORDS).write_text(json.dumps({"records": records}) + "\n")
+    return out_dir
+
+
+def timed(record: dict, total_s: float, steps: bool = True) -> dict:
+    return {**record, "total_s": total_s, **({} if steps else {"steps": None})}
+
+
+def test_the_block_section_pairs_every_method_with_eagle2_over_merged_runs(
+    results, tmp_path, monkeypatch
+) -> None:
+    """record bench block: two bench runs (T=0, then T=1 for some methods) merged, every drafting
+    method paired with the EAGLE-2 reference, the training runs from their summary.json."""
+    snapshots = tmp_path / "results"
+    snapshots.mkdir()
+    monkeypatch.setattr(results, "SNAPSHOTS", snapshots)
+    monkeypatch.setattr(results, "DOC", tmp_path / "results.md")
+    (snapshots / "evidence.json").write_text(
+        json.dumps({"preamble": "p", "about": "a", "rows": [], "reading": []})
+    )
+    greedy, sampled = [], []
+    for question, category in (("q1", "writing"), ("q2", "humaneval")):
+        greedy += [
+            turn("plain", question, category, 0.0, 8, 8),  # τ 1, 9 tokens in 0.8 s
+            timed(turn("hf_prompt_lookup", question, category, 0.0, 8, 0), 0.5, steps=False),  # 18 tok/s
+            turn("eagle2_tree", question, category, 0.0, 8, 4),  # τ 2, 22.5 tok/s: the reference
+            turn("eagle3_chain", question, category, 0.0, 8, 2),  # τ 4, 45 tok/s: a decoy reference
+            timed(turn("dflash_chain", question, category, 0.0, 8, 2), 1.8),  # τ 4, 5 tok/s
+        ]
+        sampled += [
+            turn("plain", question, category, 1.0, 8, 8),
+            turn("eagle2_tree", question, category, 1.0, 8, 8),  # τ 1, 11.25 tok/s
+            timed(turn("dflash_chain", question, category, 1.0, 8, 2), 3.6),  # τ 4, 2.5 tok/s
+        ]
+    shapes = {
+        "eagle2_tree": {"type": "head", "shape": {"depth": 5, "kind": "dynamic", "top_k": 6}},
+        "dflash_chain": {"type": "head", "shape": {"kind": "chain", "depth": 7}},
+    }
+    first = bench_dir(tmp_path / "t0", greedy, shapes)
+    second = bench_dir(tmp_path / "t1", sampled, {})
+    summaries = {}
+    for head, kind, acc in (("eagle2", "eagle", [0.5, 0.4]), ("dflash", "dflash", [0.6, 0.5, 0.4, 0.3, 0.2])):
+        val = {f"val/acc_{j}": a for j, a in enumerate(acc, start=1)}
+        summary = {
+            "kind": kind,
+            "global_step": 300,
+            "tokens_seen": 5_928_308,
+            "train_tokens_per_s": 12_345.6,
+            "trainable_parameters": 29_000_000,
+            "last_val": {"val/acc_1": 0.0, "val/sim_tau": 1.0},
+            "final_val": {**val, "val/sim_tau": 1.0 + sum(acc)},
+        }
+        summaries[head] = tmp_path / f"{head}.json"
+        summaries[head].write_text(json.dumps(summary))
+    flags = ["--machine-class", "H200", "--command", "specdraft-bench …", "--conditions", "alone"]
+    training = [f"--training=eagle2={summaries['eagle2']}", f"--training=dflash={summaries['dflash']}"]
+    args = [*flags, "--reference", "eagle2_tree", *training, "--settings", "dflash=block 8, 2 layers"]
+    record(results, "bench", "block", str(first), str(second), *args, "--commit", "abc1234")
+    snapshot = json.loads((snapshots / "block.json").read_text())
+    assert snapshot["run"]["command"] == "specdraft-bench …" and "entries" not in snapshot
+    dflash = snapshot["results"]["T=0"]["HumanEval"]["dflash_chain"]["against_reference"]
+    assert dflash["ratio"]["estimate"] == pytest.approx(2.0)  # τ 4 ÷ EAGLE-2's 2
+    assert dflash["speed_ratio"]["estimate"] == pytest.approx(5.0 / 22.5)
+    assert "against_reference" not in snapshot["results"]["T=0"]["MT-bench"]["hf_prompt_lookup"]
+    text = (tmp_path / "results.md").read_text()
+    assert "MT-bench (1 prompts), T=0, paired with `eagle2_tree`:" in text
+    assert (
+        "| dflash_chain | {kind: chain, depth: 7} | 4.00 | 1.00 | 5.0 | 0.44× | 0.28× "
+        "| 2.000 [2.000, 2.000] | 0.222 [0.222, 0.222] | 1.0 / 10.0 | 1/1 |" in text
+    )
+    assert "| eagle2_tree | {kind: dynamic, depth: 5, top_k: 6} | 2.00 | 1.00 | 22.5 | 2.00× | 1.25× " in text
+    assert "| 1 (reference) | 1 | 1.0 / 10.0 | 1/1 |" in text
+    assert "| hf_prompt_lookup | – | – | – | 18.0 | 1.60× | 1.00× | – | – | – / – | 1/1 |" in text
+    assert (
+        "| HumanEval (1) | dflash_chain | 4.00 | 4.000 [4.000, 4.000] | 0.222 [0.222, 0.222] | 0.22× |"
+        in text
+    )
+    assert "| eagle3_chain |" in text and "| MT-bench (1) | eagle3_chain |" not in text  # absent at T=1
+    assert "| MT-bench (1) | eagle2_tree | 1.00 | 1 (reference) | 1 | 1.00× |" in text
+    assert text.index("| eagle2 | eagle |") < text.index("| dflash | dflash |")  # as --training named them
+    assert (
+        "| dflash | dflash | block 8, 2 layers | 300 | 5,928,308 | 12,346 | 29.0M "
+        "| 0.600 / 0.500 / 0.400 / 0.300 | 3.000 |" in text
+    )
+    assert "| eagle2 | eagle | – | 300 | 5,928,308 | 12,346 | 29.0M | 0.500 / 0.400 | 1.900 |" in text
+    assert list(results.sections.SECTIONS)[3:5] == ["ablation", "block"]
+    (first / "report.json").unlink()  # the snapshot alone renders the same document
+    assert results.render(snapshots) == text
+    with pytest.raises(SystemExit, match="in another source too"):
+        results.block_entry([second, second], "eagle2_tree", {}, {})
