@@ -152,7 +152,7 @@ def test_a_head_method_without_a_checkpoint_is_one_clear_error():
 
     problems = method_problems(method_configs(compose_bench("methods=equal_tokens")))
     assert problems and all("checkpoint is not set" in p for p in problems)
-    unset = {f"methods.eagle{k}_{shape}" for k in (2, 3) for shape in ("tree", "chain")}
+    unset = {"methods.eagle2_tree", "methods.eagle2_chain", "methods.eagle3_tree"}
     assert {p.split(":")[0] for p in problems} == unset
 
 
