@@ -154,7 +154,7 @@ def ablation_section(snapshot: dict) -> list[str]:
 
 
 def block_section(snapshot: dict) -> list[str]:
-    title = "## A block drafter against EAGLE-2 and EAGLE-3: the same data, the same training tokens"
+    title = "## A block drafter (DFlash) against EAGLE heads: the same data, the same training tokens"
     lines = [title, "", *run_lines(snapshot["run"])]
     if snapshot.get("about"):
         lines += [snapshot["about"], ""]
