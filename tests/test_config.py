@@ -244,7 +244,7 @@ def test_every_composed_command_config_passes_its_checks(name, overrides):
 
     checkpoint = ["checkpoint=head.ckpt"] if name in ("bench", "eval", "export") else []
     if "methods=equal_tokens" in overrides:  # the preset's other heads, by name
-        checkpoint += ["+heads.eagle2=eagle2.ckpt", "+heads.eagle3=eagle3.ckpt"]
+        checkpoint += ["+checkpoints.eagle2=eagle2.ckpt", "+checkpoints.eagle3=eagle3.ckpt"]
     cfg = compose_command(name, *checkpoint, *overrides)
     if name in ("bench", "eval"):
         eval_cli.check_bench_settings(cfg)
