@@ -112,9 +112,8 @@ def record(results, *args: str) -> None:
     results.main()
 
 
-def test_a_recorded_bench_replaces_the_entry_of_its_machine_class_only(
-    results, tmp_path, monkeypatch
-) -> None:
+def empty_snapshots(results, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A snapshots dir holding only a minimal evidence.json, where ``results`` records and renders."""
     snapshots = tmp_path / "results"
     snapshots.mkdir()
     monkeypatch.setattr(results, "SNAPSHOTS", snapshots)
@@ -122,6 +121,13 @@ def test_a_recorded_bench_replaces_the_entry_of_its_machine_class_only(
     (snapshots / "evidence.json").write_text(
         json.dumps({"preamble": "p", "about": "a", "rows": [], "reading": []})
     )
+    return snapshots
+
+
+def test_a_recorded_bench_replaces_the_entry_of_its_machine_class_only(
+    results, tmp_path, monkeypatch
+) -> None:
+    snapshots = empty_snapshots(results, tmp_path, monkeypatch)
     for machine_class, rate in (("AVX2 EPYC", 10.0), ("AMX Xeon", 30.0), ("AVX2 EPYC", 20.0)):
         decoder_report(tmp_path / "bench", rate)
         flags = [
@@ -268,13 +274,7 @@ def test_the_block_section_pairs_every_method_with_eagle2_over_merged_runs(
 ) -> None:
     """record bench block: two bench runs (T=0, then T=1 for some methods) merged, every drafting
     method paired with the EAGLE-2 reference, the training runs from their summary.json."""
-    snapshots = tmp_path / "results"
-    snapshots.mkdir()
-    monkeypatch.setattr(results, "SNAPSHOTS", snapshots)
-    monkeypatch.setattr(results, "DOC", tmp_path / "results.md")
-    (snapshots / "evidence.json").write_text(
-        json.dumps({"preamble": "p", "about": "a", "rows": [], "reading": []})
-    )
+    snapshots = empty_snapshots(results, tmp_path, monkeypatch)
     greedy, sampled = [], []
     for question, category in (("q1", "writing"), ("q2", "humaneval")):
         greedy += [
