@@ -98,36 +98,53 @@ def interval(compared: dict | None, key: str, spec: str) -> str:
     return f"{found['estimate']:{spec}} [{found['low']:{spec}}, {found['high']:{spec}}]"
 
 
+def thousandths(values: list) -> str:
+    return " / ".join(f"{a:.3f}" for a in values)
+
+
 def ablation_section(snapshot: dict) -> list[str]:
     lines = [
         "## The equal-token ablation: the same data, the same training tokens",
         "",
         *run_lines(snapshot["run"]),
     ]
+    training, depth = snapshot["training"], snapshot["depth"]
+    # one row per head, its training run and its depth-acceptance run matched by name
+    heads = [*training, *(head for head in depth["runs"] if head not in training)]
     rows = [
-        [
-            head,
-            str(t["global_step"]),
-            f"{t['tokens_seen']:,}",
-            " / ".join(f"{a:.3f}" for a in t["acc"]),
-            f"{t['sim_tau']:.3f}",
-        ]
-        for head, t in snapshot["training"].items()
+        [head, *training_cells(training.get(head)), *depth_cells(depth["runs"].get(head))] for head in heads
     ]
-    lines += table(["head", "steps", "tokens seen", "held-out acc_1..4 (final)", "simulated τ (final)"], rows)
-    greedy, sampled = snapshot["results"]["T=0"], snapshot["results"].get("T=1", {})
-    for name, methods in greedy.items():
+    header = ["head", "steps", "tokens seen", "held-out acc_1..4 (final)", "simulated τ (final)"]
+    lines += [depth["about"], "", *table([*header, *depth_header("EAGLE-2")], rows)]
+    return [*lines, *ablation_decoding_lines(snapshot["results"])]
+
+
+def training_cells(run: dict | None) -> list[str]:
+    """A head's training run: steps, tokens seen, final held-out acc_1..4 and simulated τ."""
+    if run is None:
+        return ["–"] * 4
+    return [
+        str(run["global_step"]),
+        f"{run['tokens_seen']:,}",
+        thousandths(run["acc"]),
+        f"{run['sim_tau']:.3f}",
+    ]
+
+
+def ablation_decoding_lines(results: dict) -> list[str]:
+    """Every head against EAGLE-2 per prompt set: T=0, then (the last three columns) T=1."""
+    sampled, rows = results.get("T=1", {}), []
+    for name, methods in results["T=0"].items():
         prompts = next(
             m["against_reference"]["prompts"] for m in methods.values() if "against_reference" in m
         )
-        lines += [f"{name} ({prompts} prompts), T=0 and T=1:", ""]
-        rows = []
         for method, r in methods.items():
             if method == "plain":
                 continue
             t1 = sampled.get(name, {}).get(method, {})
             rows.append(
                 [
+                    f"{name} ({prompts})",
                     method.removesuffix("_tree"),
                     fmt(r.get("tau"), ".3f"),
                     alphas(r.get("acceptance_per_depth")),
@@ -140,17 +157,9 @@ def ablation_section(snapshot: dict) -> list[str]:
                     fmt(t1.get("speedup"), ".2f", "×"),
                 ]
             )
-        header = [
-            "head",
-            "τ",
-            "α per depth",
-            "τ ÷ EAGLE-2 [95% CI]",
-            "Δτ [95% CI]",
-            "speedup",
-            "identical to plain",
-        ]
-        lines += table([*header, "τ T=1", "τ ÷ EAGLE-2 T=1 [95% CI]", "speedup T=1"], rows)
-    return [*lines, *depth_lines(snapshot["depth"], "EAGLE-2")]
+    header = ["prompts", "head", "τ", "α per depth", "τ ÷ EAGLE-2 [95% CI]", "Δτ [95% CI]", "speedup"]
+    header += ["identical to plain", "τ T=1", "τ ÷ EAGLE-2 T=1 [95% CI]", "speedup T=1"]
+    return ["T=0 and T=1, every head paired with EAGLE-2 on the same prompts:", "", *table(header, rows)]
 
 
 def block_section(snapshot: dict) -> list[str]:
@@ -158,6 +167,34 @@ def block_section(snapshot: dict) -> list[str]:
     lines = [title, "", *run_lines(snapshot["run"])]
     if snapshot.get("about"):
         lines += [snapshot["about"], ""]
+    lines += block_training_lines(snapshot["training"])
+    reference, shapes = snapshot["reference"], snapshot["shapes"]
+    greedy, sampled = (dict(ordered(snapshot, snapshot["results"].get(t, {}))) for t in ("T=0", "T=1"))
+    rows = []
+    for name in snapshot["prompt_sets"]:
+        at0, at1 = greedy.get(name, {}), sampled.get(name, {})
+        lookup = (at0.get("hf_prompt_lookup") or {}).get("tokens_per_s")
+        rows += [
+            [
+                prompt_count(snapshot["prompts"], name),
+                method,
+                *block_greedy_cells(at0.get(method), lookup, method == reference),
+                *block_sampled_cells(at1.get(method), method == reference),
+            ]
+            for method in snapshot["methods"]
+            if method in at0 or method in at1
+        ]
+    header = ["prompts", "method", "τ", "α per depth", "tok/s", "× plain", "× HF prompt lookup"]
+    header += ["τ ÷ ref [95% CI]", "tok/s ÷ ref [95% CI]", "draft / verify ms", "identical to plain"]
+    header += ["τ T=1", "τ ÷ ref T=1 [95% CI]", "tok/s ÷ ref T=1 [95% CI]", "× plain T=1"]
+    lead = f"T=0 and, in the T=1 columns, the methods run at T=1, every method paired with `{reference}`:"
+    lines += [lead, "", *table(header, rows)]
+    trees = ", ".join(f"`{m}` {shapes[m]}" for m in snapshot["methods"] if m in shapes)
+    return [*lines, f"Shapes: {trees}.", ""] if trees else lines
+
+
+def block_training_lines(training: list[dict]) -> list[str]:
+    """Each head's training run, in the order ``--training`` named them."""
     rows = [
         [
             t["head"],
@@ -167,54 +204,48 @@ def block_section(snapshot: dict) -> list[str]:
             f"{t['tokens_seen']:,}",
             fmt(t["train_tokens_per_s"], ",.0f"),
             fmt(t["trainable_parameters"] and t["trainable_parameters"] / 1e6, ".1f", "M"),
-            " / ".join(f"{a:.3f}" for a in t["acc"][:4]) or "–",
+            thousandths(t["acc"][:4]) or "–",
             fmt(t["sim_tau"], ".3f"),
         ]
-        for t in snapshot["training"]
+        for t in training
     ]
     header = ["head", "kind", "settings", "steps", "tokens seen", "train tokens/s", "trainable"]
-    lines += table([*header, "held-out acc_1..4 (final)", "simulated τ (final)"], rows)
-    reference, shapes, prompts = snapshot["reference"], snapshot["shapes"], snapshot["prompts"]
-    greedy, sampled = (ordered(snapshot, snapshot["results"].get(t, {})) for t in ("T=0", "T=1"))
-    for name, methods in greedy:
-        lines += [f"{name} ({prompts['T=0'][name]} prompts), T=0, paired with `{reference}`:", ""]
-        lookup = (methods.get("hf_prompt_lookup") or {}).get("tokens_per_s")
-        rows = [
-            [
-                method,
-                shapes.get(method, "–"),
-                fmt(r.get("tau")),
-                alphas((r.get("acceptance_per_depth") or [])[:7]),
-                fmt(r.get("tokens_per_s"), ".1f"),
-                fmt(r.get("speedup"), ".2f", "×"),
-                fmt(r["tokens_per_s"] / lookup if lookup and "tokens_per_s" in r else None, ".2f", "×"),
-                paired(r, "ratio", method == reference),
-                paired(r, "speed_ratio", method == reference),
-                f"{fmt(r.get('draft_ms'), '.1f')} / {fmt(r.get('verify_ms'), '.1f')}",
-                r.get("identical", "–"),
-            ]
-            for method, r in methods.items()
-        ]
-        header = ["method", "shape", "τ", "α per depth", "tok/s", "× plain", "× HF prompt lookup"]
-        ratios = ["τ ÷ ref [95% CI]", "tok/s ÷ ref [95% CI]", "draft / verify ms", "identical to plain"]
-        lines += table([*header, *ratios], rows)
-    rows = [
-        [
-            f"{name} ({prompts['T=1'][name]})",
-            method,
-            fmt(r.get("tau")),
-            paired(r, "ratio", method == reference),
-            paired(r, "speed_ratio", method == reference),
-            fmt(r.get("speedup"), ".2f", "×"),
-        ]
-        for name, methods in sampled
-        for method, r in methods.items()
-        if method != "plain"  # the yardstick of × plain
+    return table([*header, "held-out acc_1..4 (final)", "simulated τ (final)"], rows)
+
+
+def prompt_count(prompts: dict, name: str) -> str:
+    """A prompt set and its count at T=0, and at T=1 too where that differs."""
+    greedy, sampled = prompts["T=0"].get(name), prompts.get("T=1", {}).get(name)
+    return f"{name} ({greedy})" if sampled in (None, greedy) else f"{name} ({greedy}; T=1: {sampled})"
+
+
+def block_greedy_cells(r: dict | None, lookup: float | None, is_reference: bool) -> list[str]:
+    """A method's T=0 cells; ``lookup``: HF prompt lookup's tok/s on the same prompt set."""
+    if r is None:
+        return ["–"] * 9
+    return [
+        fmt(r.get("tau")),
+        alphas((r.get("acceptance_per_depth") or [])[:7]),
+        fmt(r.get("tokens_per_s"), ".1f"),
+        fmt(r.get("speedup"), ".2f", "×"),
+        fmt(r["tokens_per_s"] / lookup if lookup and "tokens_per_s" in r else None, ".2f", "×"),
+        paired(r, "ratio", is_reference),
+        paired(r, "speed_ratio", is_reference),
+        f"{fmt(r.get('draft_ms'), '.1f')} / {fmt(r.get('verify_ms'), '.1f')}",
+        r.get("identical", "–"),
     ]
-    if rows:
-        header = ["prompts", "method", "τ", "τ ÷ ref [95% CI]", "tok/s ÷ ref [95% CI]", "× plain"]
-        lines += [f"T=1, the methods run at T=1, paired with `{reference}`:", "", *table(header, rows)]
-    return lines
+
+
+def block_sampled_cells(r: dict | None, is_reference: bool) -> list[str]:
+    """A method's T=1 cells: "–" where it did not run at T=1."""
+    if r is None:
+        return ["–"] * 4
+    return [
+        fmt(r.get("tau")),
+        paired(r, "ratio", is_reference),
+        paired(r, "speed_ratio", is_reference),
+        fmt(r.get("speedup"), ".2f", "×"),
+    ]
 
 
 def ordered(snapshot: dict, sets: dict) -> list[tuple[str, dict]]:
@@ -234,93 +265,148 @@ def paired(row: dict, key: str, is_reference: bool) -> str:
     return interval(compared, key, ".3f") if compared and compared.get(key) else "–"
 
 
-def depth_lines(depth: dict, reference: str) -> list[str]:
-    """The own- vs target-feature chain acceptance per depth (specdraft-depth-acceptance)."""
-    rows = []
-    for head, run in depth["runs"].items():
-        own, target = run["own_features"], run["target_features"]
-        rows.append(
-            [
-                head,
-                " / ".join(f"{a:.3f}" for a in own["acceptance_per_depth"]),
-                " / ".join(f"{a:.3f}" for a in target["acceptance_per_depth"]),
-                f"{own['chain_tau']:.3f} / {target['chain_tau']:.3f}",
-                interval(run.get("against_reference"), "ratio", ".3f"),
-            ]
-        )
-    header = ["head", "α own features d1..d4", "α target features d1..d4", "chain τ own / target"]
+def depth_header(reference: str) -> list[str]:
+    features = ["α own features d1..d4", "α target features d1..d4", "chain τ own / target"]
+    return [*features, f"own chain τ ÷ {reference} [95% CI]"]
+
+
+def depth_cells(run: dict | None) -> list[str]:
+    """The own- vs target-feature chain acceptance per depth (specdraft-depth-acceptance); "–"
+    where the head had no such run."""
+    if run is None:
+        return ["–"] * 4
+    own, target = run["own_features"], run["target_features"]
     return [
-        depth["about"],
-        "",
-        *table([*header, f"own chain τ ÷ {reference} [95% CI]"], rows),
+        thousandths(own["acceptance_per_depth"]),
+        thousandths(target["acceptance_per_depth"]),
+        f"{own['chain_tau']:.3f} / {target['chain_tau']:.3f}",
+        interval(run.get("against_reference"), "ratio", ".3f"),
     ]
 
 
 def sweep_section(snapshot: dict) -> list[str]:
     lines = ["## HASS loss-weight sweep (Hydra multirun, W&B offline)", "", *run_lines(snapshot["run"])]
-    swept = snapshot["swept"]
-    rows = [
-        [
-            *(str(p["values"][key]) for key in swept),
-            f"{p['best_sim_tau']:.3f}",
-            f"{p['sim_tau']:.3f}",
-            " / ".join(f"{a:.3f}" for a in p["acc"]),
-        ]
-        for p in snapshot["points"]
-    ]
-    lines += table([*swept, "best simulated τ", "final simulated τ", "final acc_1..4"], rows)
-    return [*lines, *depth_lines(snapshot["depth"], "EAGLE")]
+    swept, depth = snapshot["swept"], snapshot["depth"]
+    rows = []
+    for point, run in sweep_pairs(snapshot["points"], depth["runs"], swept):
+        if point is None:  # a depth run no point matched: its name in the first column
+            rows.append([run, *["–"] * (len(swept) + 2), *depth_cells(depth["runs"][run])])
+            continue
+        rows.append(
+            [
+                *(str(point["values"][key]) for key in swept),
+                f"{point['best_sim_tau']:.3f}",
+                f"{point['sim_tau']:.3f}",
+                thousandths(point["acc"]),
+                *depth_cells(depth["runs"].get(run)),
+            ]
+        )
+    header = [*swept, "best simulated τ", "final simulated τ", "final acc_1..4", *depth_header("EAGLE")]
+    return [*lines, depth["about"], "", *table(header, rows)]
+
+
+def sweep_pairs(points: list[dict], runs: dict, swept: list[str]) -> list[tuple[dict | None, str | None]]:
+    """Each sweep point with its depth run, keyed "key=value,key=value" by the swept values; the
+    yardstick (no swept values) and its run, named otherwise, pair up as the one left on each side.
+    A run left beyond that gets a row of its own, so no measurement drops out."""
+    keyed = {values: name for name in runs if (values := run_values(name, swept)) is not None}
+    names = [keyed.get(tuple(number(point["values"].get(key)) for key in swept)) for point in points]
+    left = [name for name in runs if name not in names]
+    unmatched = [i for i, name in enumerate(names) if name is None]
+    if len(left) == 1 and len(unmatched) == 1:
+        names[unmatched[0]] = left.pop()
+    return [*zip(points, names, strict=True), *((None, name) for name in left)]
+
+
+def run_values(name: str, swept: list[str]) -> tuple | None:
+    """A depth run's swept values from its name ("key=value,key=value"); None where it is not so named."""
+    pairs = [part.partition("=") for part in name.split(",")]
+    values = {key: number(value) for key, sep, value in pairs if sep}
+    if len(values) != len(pairs) or set(values) != set(swept):
+        return None
+    return tuple(values[key] for key in swept)
+
+
+def number(value: object) -> object:
+    """A swept value compared as a number where it is one: 2, 2.0 and "2.0" are the same point."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
 
 
 def lookahead_section(snapshot: dict) -> list[str]:
     title = "## Lookahead decoding, HF prompt lookup and a trained head (`methods=lookahead`)"
     lines = [title, "", *run_lines(snapshot["run"])]
-    for name, methods in snapshot["results"].items():
-        rows = [
-            [
-                m,
-                fmt(r.get("tokens_per_s")),
-                fmt(r.get("speedup"), ".3f", "×"),
-                fmt(r.get("tau")),
-                fmt(r.get("mean_nodes"), ".1f"),
-                r.get("identical", "–"),
-            ]
-            for m, r in methods.items()
+    rows = [
+        [
+            name,
+            m,
+            fmt(r.get("tokens_per_s")),
+            fmt(r.get("speedup"), ".3f", "×"),
+            fmt(r.get("tau")),
+            fmt(r.get("mean_nodes"), ".1f"),
+            r.get("identical", "–"),
         ]
-        lines += [
-            f"{name}:",
-            "",
-            *table(
-                ["method", "tok/s", "× plain", "tokens per step", "nodes per step", "identical to plain"],
-                rows,
-            ),
-        ]
-    return [*lines, snapshot["about"], ""]
+        for name, methods in snapshot["results"].items()
+        for m, r in methods.items()
+    ]
+    header = ["prompts", "method", "tok/s", "× plain", "tokens per step", "nodes per step"]
+    return [*lines, *table([*header, "identical to plain"], rows), snapshot["about"], ""]
+
+
+# per drafting method at each batch size, besides its speed: the same at every B -> the closing
+# sentence, varying -> a column of its own
+BATCH_PER_METHOD = {"tau": "τ", "identical_to_plain": "identical to plain"}
 
 
 def batch_section(snapshot: dict) -> list[str]:
     lines = ["## Throughput against batch size (`methods=batch`)", "", *run_lines(snapshot["run"])]
-    rows = [
-        [
-            size,
-            m,
-            fmt(r["tokens_per_s"]),
-            fmt(r["speedup"], ".3f", "×"),
-            fmt(r["row_ms_per_token"], ".1f"),
-            fmt(r["tau"]) if m != "plain" else "–",
-            r.get("identical_to_plain", "–"),
-        ]
-        for size, methods in snapshot["batch"]["sizes"].items()
-        for m, r in methods.items()
-    ]
-    lines += table(
-        ["B", "method", "tok/s (all rows)", "× plain", "ms per token per row", "τ", "identical to plain"],
-        rows,
-    )
+    sizes = snapshot["batch"]["sizes"]
+    methods = list(dict.fromkeys(m for at in sizes.values() for m in at))  # the snapshot's order
+    values = {
+        (m, key): [batch_value(at.get(m), key) for at in sizes.values()]
+        for m in methods
+        if m != "plain"  # τ 1, the yardstick of identical
+        for key in BATCH_PER_METHOD
+    }
+    constant = {pair: found[0] for pair, found in values.items() if len(set(found)) == 1}
+    varying = [pair for pair in values if pair not in constant]
+    header = ["B"]
+    for m in methods:
+        header += [f"{m} tok/s" if m == "plain" else f"{m} tok/s (× plain)", f"{m} ms/token/row"]
+        header += [f"{m} {BATCH_PER_METHOD[key]}" for method, key in varying if method == m]
+    rows = []
+    for size, at in sizes.items():
+        row = [size]
+        for m in methods:
+            row += batch_speed_cells(at.get(m), m == "plain")
+            row += [batch_value(at.get(m), key) for method, key in varying if method == m]
+        rows.append(row)
     crossover = ", ".join(
         f"`{m}` {snapshot['shapes'][m]}: {b}" for m, b in snapshot["batch"]["crossover"].items()
     )
-    return [*lines, f"The batch size from which a tree is no faster than plain decoding: {crossover}.", ""]
+    same = "; ".join(
+        f"{label}: " + ", ".join(f"`{m}` {value}" for (m, k), value in constant.items() if k == key)
+        for key, label in BATCH_PER_METHOD.items()
+        if any(k == key for _, k in constant)
+    )
+    closing = f"The batch size from which a tree is no faster than plain decoding: {crossover}."
+    return [*lines, *table(header, rows), closing + (f" At every B, {same}." if same else ""), ""]
+
+
+def batch_value(r: dict | None, key: str) -> str:
+    if r is None:
+        return "–"
+    return fmt(r.get(key)) if key == "tau" else r.get(key, "–")
+
+
+def batch_speed_cells(r: dict | None, is_plain: bool) -> list[str]:
+    """tok/s over all rows (and × plain at that B), ms per token per row."""
+    if r is None:
+        return ["–", "–"]
+    speed = fmt(r["tokens_per_s"]) + ("" if is_plain else f" ({fmt(r['speedup'], '.3f', '×')})")
+    return [speed, fmt(r["row_ms_per_token"], ".1f")]
 
 
 def train_speed_section(snapshot: dict) -> list[str]:

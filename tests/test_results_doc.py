@@ -37,8 +37,7 @@ def test_the_committed_doc_renders_byte_identical_from_the_snapshots_alone(resul
 def test_the_doc_keeps_to_the_current_state(results) -> None:
     text = (ROOT / "docs" / "results.md").read_text()
     lines = text.splitlines()
-    # 400: room for one more equal-token comparison section (the block drafter's)
-    assert len(lines) <= 400 and len(list((ROOT / "docs" / "results").iterdir())) <= 12
+    assert len(lines) <= 350 and len(list((ROOT / "docs" / "results").iterdir())) <= 12
     assert "A new result replaces its predecessor for that machine class" in "\n".join(lines[:4])
     titles = [line for line in lines if line.startswith("#")]
     assert not [t for t in titles if re.search(r"\b[0-9a-f]{7,40}\b", t)], "no commit hash in a title"
@@ -231,13 +230,86 @@ def test_the_ablation_pairs_every_head_with_eagle2_per_prompt_set_and_temperatur
         "estimate"
     ] == pytest.approx(2.0)
     assert "against_reference" not in entry["results"]["T=0"]["MT-bench"]["eagle_tree"]
-    depth = {"about": "depth", "runs": {}}
+    # one table per head: training and depth acceptance matched by name, "–" where a side lacks it
+    features = {"acceptance_per_depth": [0.4, 0.3], "chain_tau": 1.7}
+    depth = {"about": "depth", "runs": {"eagle": {"own_features": features, "target_features": features}}}
+    hass = {"global_step": 300, "tokens_seen": 1000, "acc": [0.5, 0.4], "sim_tau": 1.9}
     run = {"machine": "m", "command": "c", "conditions": "x"}
-    snapshot = {**entry, "run": run, "training": {}, "depth": depth}
+    snapshot = {**entry, "run": run, "training": {"hass": hass}, "depth": depth}
     text = "\n".join(results.sections.ablation_section(snapshot))
-    assert "MT-bench (1 prompts), T=0 and T=1:" in text
-    assert "| eagle | 2.000 | 1.00 | 1 (reference) | – |" in text
-    assert "| hass | 4.000 | 1.00 | 2.000 [2.000, 2.000] | +2.000 [+2.000, +2.000] |" in text
+    assert "| hass | 300 | 1,000 | 0.500 / 0.400 | 1.900 | – | – | – | – |" in text
+    assert "| eagle | – | – | – | – | 0.400 / 0.300 | 0.400 / 0.300 | 1.700 / 1.700 | 1 (reference) |" in text
+    assert text.index("| hass | 300 |") < text.index("| eagle | – |")  # training's heads first
+    assert "| MT-bench (1) | eagle | 2.000 | 1.00 | 1 (reference) | – |" in text
+    assert "| MT-bench (1) | hass | 4.000 | 1.00 | 2.000 [2.000, 2.000] | +2.000 [+2.000, +2.000] |" in text
+    assert "| HumanEval (1) | hass | 4.000 |" in text and text.count("T=0 and T=1") == 1  # one table
+
+
+def depth_run(own_tau: float, ratio: float | None = None) -> dict:
+    features = {"acceptance_per_depth": [0.4, 0.3], "chain_tau": own_tau}
+    run = {"own_features": features, "target_features": {**features, "chain_tau": 2.0}}
+    found = {"estimate": ratio, "low": ratio, "high": ratio}
+    return run if ratio is None else {**run, "against_reference": {"ratio": found}}
+
+
+def test_the_sweep_shows_each_point_with_its_depth_run_in_one_table(results) -> None:
+    """A depth run is keyed by its point's swept values (in any order, 1 = 1.0); the yardstick's run,
+    named otherwise, pairs with the one point left; a run left beyond that keeps a row of its own."""
+    points = [
+        {"values": {"a": 0.5, "b": 2.0}, "best_sim_tau": 1.6, "sim_tau": 1.5, "acc": [0.4, 0.3]},
+        {"values": {"a": 1.0, "b": 2.0}, "best_sim_tau": 1.4, "sim_tau": 1.3, "acc": [0.2, 0.1]},
+        {"values": {"a": "EAGLE", "b": "–"}, "best_sim_tau": 1.2, "sim_tau": 1.1, "acc": [0.3, 0.2]},
+    ]
+    runs = {"eagle-run": depth_run(1.5), "b=2.0,a=1": depth_run(1.4, 0.9), "a=0.5,b=2.0": depth_run(1.6, 1.1)}
+    snapshot = {
+        "run": {"machine": "m", "command": "c", "conditions": "x"},
+        "swept": ["a", "b"],
+        "points": points,
+        "depth": {"about": "depth", "runs": runs},
+    }
+    text = "\n".join(results.sections.sweep_section(snapshot))
+    cells = "0.400 / 0.300 | 0.400 / 0.300"
+    assert (
+        f"| 0.5 | 2.0 | 1.600 | 1.500 | 0.400 / 0.300 | {cells} | 1.600 / 2.000 | 1.100 [1.100, 1.100] |"
+        in text
+    )
+    assert (
+        f"| 1.0 | 2.0 | 1.400 | 1.300 | 0.200 / 0.100 | {cells} | 1.400 / 2.000 | 0.900 [0.900, 0.900] |"
+        in text
+    )
+    assert f"| EAGLE | – | 1.200 | 1.100 | 0.300 / 0.200 | {cells} | 1.500 / 2.000 | 1 (reference) |" in text
+    # one table: its header and three rows
+    assert text.count("| own chain τ ÷ EAGLE [95% CI] |") == 1 and text.count("\n| ") == 4
+    runs["orphan"] = depth_run(1.0, 0.5)  # two left: neither pairs, and nothing drops out
+    text = "\n".join(results.sections.sweep_section(snapshot))
+    assert "| EAGLE | – | 1.200 | 1.100 | 0.300 / 0.200 | – | – | – | – |" in text
+    assert "| eagle-run | – | – | – | – | 0.400 / 0.300 |" in text and "| orphan | – |" in text
+
+
+def test_the_batch_table_has_one_row_per_batch_size(results) -> None:
+    """τ, the same at every B, goes into the closing sentence; identical-to-plain, varying, a column."""
+
+    def at(tokens_per_s: float, speedup: float, ms: float, **more: object) -> dict:
+        return {"tokens_per_s": tokens_per_s, "speedup": speedup, "row_ms_per_token": ms, "tau": 1.0, **more}
+
+    sizes = {
+        "1": {"plain": at(10.0, 1.0, 70.0), "head": at(12.0, 1.2, 60.0, tau=1.55, identical_to_plain="2/2")},
+        "4": {"plain": at(40.0, 1.0, 90.0), "head": at(20.0, 0.5, 150.0, tau=1.55, identical_to_plain="1/2")},
+    }
+    snapshot = {
+        "run": {"machine": "m", "command": "c", "conditions": "x"},
+        "batch": {"sizes": sizes, "crossover": {"head": 2}},
+        "shapes": {"head": "{kind: chain, depth: 3}"},
+    }
+    lines = results.sections.batch_section(snapshot)
+    header = "| B | plain tok/s | plain ms/token/row | head tok/s (× plain) | head ms/token/row |"
+    assert f"{header} head identical to plain |" in lines
+    assert "| 1 | 10.00 | 70.0 | 12.00 (1.200×) | 60.0 | 2/2 |" in lines
+    assert "| 4 | 40.00 | 90.0 | 20.00 (0.500×) | 150.0 | 1/2 |" in lines
+    assert (
+        "The batch size from which a tree is no faster than plain decoding: `head` {kind: chain, "
+        "depth: 3}: 2. At every B, τ: `head` 1.55." in lines
+    )
 
 
 def test_training_speed_is_read_from_a_bench_train_step_output(results, tmp_path) -> None:
@@ -320,20 +392,29 @@ def test_the_block_section_pairs_every_method_with_eagle2_over_merged_runs(
     assert dflash["speed_ratio"]["estimate"] == pytest.approx(5.0 / 22.5)
     assert "against_reference" not in snapshot["results"]["T=0"]["MT-bench"]["hf_prompt_lookup"]
     text = (tmp_path / "results.md").read_text()
-    assert "MT-bench (1 prompts), T=0, paired with `eagle2_tree`:" in text
+    # one table: every prompt set at T=0, the T=1 results in the last four columns
+    assert text.count("every method paired with `eagle2_tree`:") == 1
     assert (
-        "| dflash_chain | {kind: chain, depth: 7} | 4.00 | 1.00 | 5.0 | 0.44× | 0.28× "
-        "| 2.000 [2.000, 2.000] | 0.222 [0.222, 0.222] | 1.0 / 10.0 | 1/1 |" in text
+        "| HumanEval (1) | dflash_chain | 4.00 | 1.00 | 5.0 | 0.44× | 0.28× | 2.000 [2.000, 2.000] "
+        "| 0.222 [0.222, 0.222] | 1.0 / 10.0 | 1/1 | 4.00 | 4.000 [4.000, 4.000] | 0.222 [0.222, 0.222] "
+        "| 0.22× |" in text
     )
-    assert "| eagle2_tree | {kind: dynamic, depth: 5, top_k: 6} | 2.00 | 1.00 | 22.5 | 2.00× | 1.25× " in text
-    assert "| 1 (reference) | 1 | 1.0 / 10.0 | 1/1 |" in text
-    assert "| hf_prompt_lookup | – | – | – | 18.0 | 1.60× | 1.00× | – | – | – / – | 1/1 |" in text
     assert (
-        "| HumanEval (1) | dflash_chain | 4.00 | 4.000 [4.000, 4.000] | 0.222 [0.222, 0.222] | 0.22× |"
+        "| MT-bench (1) | eagle2_tree | 2.00 | 1.00 | 22.5 | 2.00× | 1.25× | 1 (reference) | 1 "
+        "| 1.0 / 10.0 | 1/1 | 1.00 | 1 (reference) | 1 | 1.00× |" in text
+    )
+    assert (
+        "| MT-bench (1) | hf_prompt_lookup | – | – | 18.0 | 1.60× | 1.00× | – | – | – / – | 1/1 "
+        "| – | – | – | – |" in text
+    )
+    assert (
+        "| MT-bench (1) | eagle3_chain | 4.00 | 1.00 | 45.0 | 4.00× | 2.50× | 2.000 [2.000, 2.000] "
+        "| 2.000 [2.000, 2.000] | 1.0 / 10.0 | 1/1 | – | – | – | – |" in text  # absent at T=1: "–"
+    )
+    assert (
+        "Shapes: `eagle2_tree` {kind: dynamic, depth: 5, top_k: 6}, `dflash_chain` {kind: chain, depth: 7}."
         in text
     )
-    assert "| eagle3_chain |" in text and "| MT-bench (1) | eagle3_chain |" not in text  # absent at T=1
-    assert "| MT-bench (1) | eagle2_tree | 1.00 | 1 (reference) | 1 | 1.00× |" in text
     assert text.index("| eagle2 | eagle |") < text.index("| dflash | dflash |")  # as --training named them
     assert (
         "| dflash | dflash | block 8, 2 layers | 300 | 5,928,308 | 12,346 | 29.0M "
