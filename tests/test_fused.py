@@ -11,7 +11,7 @@ import torch
 from specdraft.heads.vocab import draft_vocab_from_counts, target_to_draft_index
 from specdraft.train import vocab_major
 from specdraft.train.fused import TERMS, DraftSide, TargetSide, fused_vocab_losses
-from specdraft.train.losses import LossWeights, step_loss
+from specdraft.train.losses import LossWeights, lk_lambda, step_loss
 
 
 def reference(
@@ -106,13 +106,11 @@ def sides(problem: SimpleNamespace, step_weights: list[float]) -> tuple[DraftSid
     return draft, target
 
 
-@pytest.mark.parametrize("reduced", [False, True])
-@pytest.mark.parametrize("chunk_size", [3, 64])
-def test_fused_equals_reference(reduced, chunk_size):
-    problem = random_problem(0, steps=3, n=20, reduced=reduced, unlabelled_every=5)
+def assert_fused_equals_reference(problem: SimpleNamespace, weights: LossWeights, chunk_size: int) -> None:
+    """Values, active terms, matches and gradients of ``fused_vocab_losses`` against ``reference``
+    over three steps weighted 1, 0.5, 0.25; again with the target's argmax given."""
     hidden, weight = problem.hidden, problem.weight
     projections = (hidden, weight, problem.target_hidden, problem.target_weight)
-    weights = LossWeights(soft_ce=0.3, forward_kl=0.2, topk=1.5, topk_k=K, ce=0.7)
     inputs = loss_inputs(problem, [1.0, 0.5, 0.25], weights)
     draft, target = sides(problem, [1.0, 0.5, 0.25])
 
@@ -121,8 +119,12 @@ def test_fused_equals_reference(reduced, chunk_size):
     out = fused_vocab_losses(draft, target, weights, chunk_size)
     grads = torch.autograd.grad(out.loss * 2.0, [hidden, weight])  # the upstream gradient is applied
     torch.testing.assert_close(out.loss.double(), expected.double(), rtol=1e-6, atol=1e-6)
+    active = [i for i, name in enumerate(TERMS) if getattr(weights, name) > 0]
     torch.testing.assert_close(
-        out.terms.double(), torch.tensor(values, dtype=torch.float64), rtol=1e-5, atol=1e-6
+        out.terms[:, active].double(),
+        torch.tensor([[step[i] for i in active] for step in values], dtype=torch.float64),
+        rtol=1e-5,
+        atol=1e-6,
     )
     assert out.matches.tolist() == matches
     assert out.counts.tolist() == problem.valid.sum(-1).tolist()
@@ -133,6 +135,58 @@ def test_fused_equals_reference(reduced, chunk_size):
     given = fused_vocab_losses(draft, replace(target, argmax=problem.topk_ids[:, 0]), weights, chunk_size)
     torch.testing.assert_close(given.loss, out.loss)
     assert given.matches.tolist() == matches
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+@pytest.mark.parametrize("chunk_size", [3, 64])
+def test_fused_equals_reference(reduced, chunk_size):
+    problem = random_problem(0, steps=3, n=20, reduced=reduced, unlabelled_every=5)
+    weights = LossWeights(soft_ce=0.3, forward_kl=0.2, topk=1.5, topk_k=K, ce=0.7)
+    assert_fused_equals_reference(problem, weights, chunk_size)
+
+
+LK_WEIGHTS = {
+    "lk_alpha": LossWeights(lk_alpha=1.0),
+    "lk_lambda": LossWeights(lk_lambda=1.0),
+    "beside_every_term": LossWeights(
+        soft_ce=0.3, forward_kl=0.2, topk=0.5, topk_k=K, ce=0.2, lk_alpha=0.4, lk_lambda=0.7, lk_eta=2.0
+    ),
+}
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+@pytest.mark.parametrize("weights", list(LK_WEIGHTS.values()), ids=list(LK_WEIGHTS))
+def test_lk_terms_equal_the_reference(weights, reduced):
+    """The LK terms (losses.lk_alpha, losses.lk_lambda), alone and beside every other term, over
+    the full and a reduced vocabulary; in one chunk, whose λ is the reference's."""
+    problem = random_problem(2, steps=3, n=20, reduced=reduced, unlabelled_every=5)
+    assert_fused_equals_reference(problem, weights, chunk_size=64)
+    if weights.lk_lambda == 0:  # LK^α has no batch statistic: any chunking gives the same
+        assert_fused_equals_reference(problem, weights, chunk_size=3)
+
+
+def test_lk_lambda_takes_its_blend_weight_per_chunk():
+    """Over several chunks, each chunk's λ = exp(−η·ᾱ) is its own trained positions' mean α: the
+    reference term per chunk, weighted by the chunk's share of the step's trained positions."""
+    problem = random_problem(3, steps=1, n=20, reduced=False, unlabelled_every=5)
+    hidden, weight, valid = problem.hidden, problem.weight, problem.valid[0]
+    weights, chunk_size = LossWeights(lk_lambda=1.0, lk_eta=3.0), 6
+    p = (problem.target_hidden @ problem.target_weight.T).softmax(-1)
+    logits = hidden[0] @ weight.T
+    expected = 0
+    for start in range(0, 20, chunk_size):
+        rows = torch.zeros(20, dtype=torch.bool)
+        rows[start : start + chunk_size] = True
+        rows &= valid
+        expected = expected + lk_lambda(logits[rows], p[rows], weights.lk_eta) * rows.sum() / valid.sum()
+    expected_grads = torch.autograd.grad(expected, [hidden, weight])
+    draft, target = sides(problem, [1.0])
+    out = fused_vocab_losses(draft, target, weights, chunk_size)
+    torch.testing.assert_close(out.loss.double(), expected.double(), rtol=1e-6, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(out.loss, [hidden, weight]), expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    one_chunk = fused_vocab_losses(draft, target, weights, chunk_size=64)
+    assert not torch.allclose(one_chunk.loss, out.loss)  # the chunk's λ, not the batch's
 
 
 @pytest.mark.parametrize("reduced", [False, True])

@@ -9,13 +9,26 @@ import torch
 
 from specdraft.data.features import TokenBatch, extract_features
 from specdraft.data.target import target_weights
-from specdraft.heads import Eagle3Config, Eagle3Head, EagleConfig, EagleHead, MedusaConfig, MedusaHead
+from specdraft.heads import (
+    DFlashConfig,
+    DFlashHead,
+    Eagle3Config,
+    Eagle3Head,
+    EagleConfig,
+    EagleHead,
+    MedusaConfig,
+    MedusaHead,
+)
 from specdraft.heads.vocab import VocabProjection
 from specdraft.train.losses import (
+    ALPHA_FLOOR,
     LossWeights,
+    acceptance_rate,
     cross_entropy,
     feature_regression,
     forward_kl,
+    lk_alpha,
+    lk_lambda,
     soft_cross_entropy,
     step_loss,
     topk_distillation,
@@ -48,6 +61,43 @@ def test_golden_values():
     assert soft_cross_entropy(torch.zeros(0, 2), torch.zeros(0, 2)).item() == 0.0
 
 
+def test_lk_golden_values_and_gradients():
+    # q = softmax([0, ln 2]) = [1/3, 2/3], p = [1/2, 1/2]: α = 1/3 + 1/2 = 5/6. Only token 0 falls
+    # short of p (q·[q < p] = [1/3, 0], its sum s = 1/3): ∂α/∂logits = [1/3, 0] − q·s = [2/9, −2/9].
+    draft = torch.tensor([[0.0, LN2]], dtype=torch.float64, requires_grad=True)
+    p = torch.tensor([[0.5, 0.5]], dtype=torch.float64)
+    assert acceptance_rate(draft, p).item() == pytest.approx(5 / 6)
+    value = lk_alpha(draft, p)
+    assert value.item() == pytest.approx(math.log(6 / 5))
+    (grad,) = torch.autograd.grad(value, draft)  # −(1/α)·∂α = −(6/5)·[2/9, −2/9]
+    assert grad[0].tolist() == pytest.approx([-4 / 15, 4 / 15])
+    # LK^λ = λ·KL + (1 − λ)·(1 − α), λ = exp(−η·ᾱ) held constant: its gradient blends KL's,
+    # q − p = [−1/6, 1/6], and TV's, −∂α.
+    blend, kl = math.exp(-3.0 * 5 / 6), 0.5 * math.log(4.5) - LN2
+    value = lk_lambda(draft, p, eta=3.0)
+    assert value.item() == pytest.approx(blend * kl + (1 - blend) / 6)
+    (grad,) = torch.autograd.grad(value, draft)
+    expected = [blend * -1 / 6 - (1 - blend) * 2 / 9, blend / 6 + (1 - blend) * 2 / 9]
+    assert grad[0].tolist() == pytest.approx(expected)
+    # η = 0: pure KL; the draft equal to the target: α = 1, both terms 0.
+    assert lk_lambda(draft, p, eta=0.0).item() == pytest.approx(kl)
+    assert lk_alpha(torch.log(p), p).item() == pytest.approx(0.0, abs=1e-6)  # fp32 softmax
+    assert lk_lambda(torch.log(p), p, eta=3.0).item() == pytest.approx(0.0, abs=1e-6)
+    # No shared mass: −log α stops at the floor, with no gradient; ᾱ is the mean over positions.
+    disjoint = torch.tensor([[0.0, -80.0]], dtype=torch.float64, requires_grad=True)
+    far = lk_alpha(disjoint, torch.tensor([[0.0, 1.0]], dtype=torch.float64))
+    assert far.item() == pytest.approx(-math.log(ALPHA_FLOOR))
+    assert torch.autograd.grad(far, disjoint)[0].abs().max().item() == 0.0
+    two = torch.tensor([[0.0, LN2], [0.0, 0.0]], dtype=torch.float64)
+    mean_alpha = (5 / 6 + 1) / 2  # the second position drafts p exactly
+    expected_two = (math.exp(-3.0 * mean_alpha) * kl + (1 - math.exp(-3.0 * mean_alpha)) / 6) / 2
+    assert lk_lambda(two, torch.tensor([[0.5, 0.5]] * 2, dtype=torch.float64), 3.0).item() == pytest.approx(
+        expected_two
+    )
+    assert lk_alpha(torch.zeros(0, 2), torch.zeros(0, 2)).item() == 0.0
+    assert lk_lambda(torch.zeros(0, 2), torch.zeros(0, 2), 3.0).item() == 0.0
+
+
 def test_step_loss_weights_and_missing_inputs():
     draft = torch.tensor([[0.0, LN2]])
     p = torch.tensor([[0.5, 0.5]])
@@ -59,6 +109,10 @@ def test_step_loss_weights_and_missing_inputs():
         step_loss(LossWeights(topk=1.0), draft, target_probs=p)
     with pytest.raises(ValueError, match="must be >= 0"):
         LossWeights(feature=-1)
+    with pytest.raises(ValueError, match="'lk_lambda' has weight"):
+        step_loss(LossWeights(lk_lambda=1.0), draft)
+    with pytest.raises(ValueError, match="lk_eta must be >= 0"):
+        LossWeights(lk_eta=-1.0)
 
 
 def test_simulated_tau():
@@ -84,6 +138,10 @@ def build(kind, target):
         return MedusaHead(spec, weights, MedusaConfig(num_heads=3, num_layers=1, own_lm_head=False))
     if kind == "eagle":
         return EagleHead(spec, weights, EagleConfig(fc_bias=False))
+    if kind == "dflash":
+        return DFlashHead(
+            spec, weights, DFlashConfig(num_layers=1, block_size=4, mask_token_id=None, anchor_fraction=0.5)
+        )
     counts = torch.arange(spec.vocab_size).float()
     head = Eagle3Head(spec, weights, Eagle3Config(draft_vocab_size=200))
     head.choose_vocabulary(lambda: counts)
@@ -119,6 +177,33 @@ def test_objective_runs_and_backpropagates(tiny_target, features, kind):
     else:
         # Head k supervises p when x_{p+2+k} is an assistant token: p = 2−k..13−k, 2−k..8−k.
         assert evaluated.counts == [12 + 12 + 7] * 3
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "dflash"])
+def test_lk_terms_train_every_head_kind(tiny_target, features, kind):
+    """LK^α and LK^λ through each head kind's objective: reported per step, in the loss with their
+    weights, a gradient for every parameter, and a few optimiser steps on them raise the acceptance
+    rate (lower −log α) on the batch."""
+    torch.manual_seed(0)
+    head = build(kind, tiny_target)
+    weights = LossWeights(feature=1.0 if kind == "eagle" else 0.0, lk_alpha=0.5, lk_lambda=1.0)
+    objective = DraftObjective(
+        weights, RolloutConfig(steps=2, step_weight_base=0.5), eval_steps=3, chunk_size=7
+    )
+    out = objective(head, features, train=True)
+    out.loss.backward()
+    assert all(p.grad is not None for p in head.parameters())
+    step1 = out.terms["step1/loss"].item() - (out.terms["step1/feature"].item() if kind == "eagle" else 0.0)
+    lk = 0.5 * out.terms["step1/lk_alpha"].item() + out.terms["step1/lk_lambda"].item()
+    assert step1 == pytest.approx(lk, rel=1e-5)
+    assert 0 < out.terms["step1/lk_alpha"].item() < -math.log(ALPHA_FLOOR)
+    optimizer = torch.optim.Adam(head.parameters(), lr=3e-3)
+    before = objective(head, features, train=False).terms["step1/lk_alpha"].item()
+    for _ in range(10):
+        optimizer.zero_grad()
+        objective(head, features, train=True).loss.backward()
+        optimizer.step()
+    assert objective(head, features, train=False).terms["step1/lk_alpha"].item() < before
 
 
 def test_cached_and_recomputed_topk_agree(tiny_target, features):

@@ -8,7 +8,10 @@ the loss terms of :mod:`specdraft.train.losses`, and their gradient with respect
 hidden states and the draft vocabulary projection in closed form,
 
     d loss / d logits = (Σ_v w_v) · softmax(logits) − w,
-    w = c_soft·p + c_kl·p + c_topk·(p on the target's top-K) + c_ce·onehot(label),
+    w = c_soft·p + c_kl·p + c_topk·(p on the target's top-K) + c_ce·onehot(label)
+        + (c_α/α + c_λ·(1 − λ))·q·[q < p] + c_λ·λ·p,
+
+the last line the LK terms' (α = Σ_v min(p_v, q_v): ∂α/∂logits = q·[q < p] − q·Σ_v q_v·[q_v < p_v]),
 
 so nothing vocabulary-sized outlives the call: it lives in a few V×c buffers reused by every
 chunk and step (vocabulary-major for speed: :mod:`specdraft.train.vocab_major`). When no gradient
@@ -28,23 +31,28 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specdraft.train.losses import LossWeights
+from specdraft.train.losses import ALPHA_FLOOR, LossWeights
 from specdraft.train.vocab_major import (
     FrozenRows,
     GatheredWeightGradient,
     VocabBuffers,
+    acceptance_,
     gradient_layout,
     project,
     softmax_,
 )
 
-TERMS = ("soft_ce", "forward_kl", "topk", "ce")
+TERMS = ("soft_ce", "forward_kl", "topk", "ce", "lk_alpha", "lk_lambda")
+# LK^λ's blend weight λ = exp(−η·ᾱ) is one detached number per chunk and step, ᾱ the chunk's mean
+# acceptance over the positions the step trains on: the reference's per-batch λ (losses.lk_lambda)
+# at the size of a chunk, known before the chunk's gradient is (a batch-wide ᾱ would need a second
+# pass over the vocabulary, or the gradients of KL and TV kept apart until the end).
 
 
 @dataclass
 class FusedOutput:
     """loss: Σ_j step_weight_j · Σ_term c_term · mean_j(term) (differentiable);
-    terms: S×4 per-step means of TERMS (detached); matches / counts: S, top-1 matches with the
+    terms: S×len(TERMS) per-step means of TERMS (detached); matches / counts: S, top-1 matches with the
     target's argmax over each step's valid positions."""
 
     loss: Tensor
@@ -159,11 +167,15 @@ class _FusedVocabLosses(torch.autograd.Function):
         steps, n, _ = hidden.shape
         chunk_size = call.chunk_size
         count = 4 if plan.needs_distribution else 3
-        buffers = VocabBuffers(plan.w_target.shape[0], min(chunk_size, n), plan.acc, hidden.device, count)
+        vocab, width = plan.w_target.shape[0], min(chunk_size, n)
+        buffers = VocabBuffers(vocab, width, plan.acc, hidden.device, count)
+        below = torch.empty(vocab * width, dtype=torch.bool, device=hidden.device) if plan.lk else None
         sums = _sums(call, plan)
         for start in range(0, n, chunk_size):
-            views = buffers.views(min(chunk_size, n - start))
-            chunk = _chunk(call, plan, slice(start, start + chunk_size), views)
+            columns = min(chunk_size, n - start)
+            views = buffers.views(columns)
+            below_view = below[: vocab * columns].view(vocab, columns) if below is not None else None
+            chunk = _chunk(call, plan, slice(start, start + chunk_size), views, below_view)
             for j in range(steps):
                 _draft_step(call, plan, chunk, sums, j)
         if sums.gathered is not None:
@@ -203,7 +215,8 @@ class _Plan:
     w_target            V'×H the target lm_head's rows over the draft vocabulary
     target_argmax       N the target's argmax (filled chunk by chunk when ``wants_argmax``)
     wants_argmax        it is read off p: neither given nor found over a reduced vocabulary
-    needs_distribution  p is computed: a dense term or the argmax needs it
+    needs_distribution  p is computed: a dense term, an LK term or the argmax needs it
+    lk                  an LK term is trained (``_lk_step``)
     trained             S×N the positions each step trains on; denominators S their counts
                         (at least 1, fp64): the per-step means' divisors
     last_first          V'×1 V' − arange(V'), for the argmax read off a maximum (``softmax_``)
@@ -218,6 +231,7 @@ class _Plan:
     target_argmax: Tensor
     wants_argmax: bool
     needs_distribution: bool
+    lk: bool
     trained: Tensor
     denominators: Tensor
     last_first: Tensor
@@ -248,6 +262,7 @@ def _plan(call: _Call) -> _Plan:
     # the target's vocabulary projection is skipped altogether.
     dense = coef["soft_ce"] + coef["forward_kl"]
     wants_argmax = target.argmax is None and draft.vocab is None
+    lk = coef["lk_alpha"] > 0 or coef["lk_lambda"] > 0
     return _Plan(
         coef=coef,
         dense=dense,
@@ -257,7 +272,8 @@ def _plan(call: _Call) -> _Plan:
         w_target=w_target,
         target_argmax=target_argmax,
         wants_argmax=wants_argmax,
-        needs_distribution=dense > 0 or wants_argmax,
+        needs_distribution=dense > 0 or wants_argmax or lk,
+        lk=lk,
         trained=trained,
         denominators=trained.sum(-1).clamp(min=1).double(),
         last_first=torch.arange(vocab, 0, -1, dtype=acc, device=draft.hidden.device).unsqueeze(-1),
@@ -299,7 +315,7 @@ def _target_argmax(draft: DraftSide, target: TargetSide, chunk_size: int) -> tup
 
 @dataclass(frozen=True, eq=False)
 class _Sums:
-    """What the chunks and steps add up. terms S×4 (fp64: the per-step means of TERMS), matches S;
+    """What the chunks and steps add up. terms S×len(TERMS) (fp64: the per-step means of TERMS), matches S;
     when a gradient is wanted grad_hidden S×N×H and, for a trainable projection, grad_weight (its
     shape), in fp32 (fp64), the latter gathered first in reduced precision (``gathered``)."""
 
@@ -337,8 +353,10 @@ class _Chunk:
 
     rows            the chunk's slice of the N positions
     logits, probs, product  V'×c work buffers: a step's logits, exp(logit − max), a scratch
+                         (with an LK term: the step's q·[q < p] after its terms)
+    below           V'×c bool work buffer of the LK terms (None without)
     p               V'×c the target's distribution (None when nothing reads it)
-    neg_entropy     c    Σ_v p log p (forward KL only)
+    neg_entropy     c    Σ_v p log p (forward KL and LK^λ only)
     topk_ids        c×K  the target's top-K as draft ids (0 outside the draft vocab);
                          topk_probs c×K their probabilities (0 there)
     label_ids       c    the label as a draft id (0: none); has_label c, 1 or 0
@@ -351,6 +369,7 @@ class _Chunk:
     logits: Tensor
     probs: Tensor
     product: Tensor
+    below: Tensor | None
     p: Tensor | None
     neg_entropy: Tensor | None
     topk_ids: Tensor | None
@@ -362,7 +381,7 @@ class _Chunk:
     w_total: Tensor | float
 
 
-def _chunk(call: _Call, plan: _Plan, rows: slice, views: list[Tensor]) -> _Chunk:
+def _chunk(call: _Call, plan: _Plan, rows: slice, views: list[Tensor], below: Tensor | None) -> _Chunk:
     logits, probs, product, *target_buffer = views
     p = neg_entropy = None
     if plan.needs_distribution:
@@ -382,8 +401,8 @@ def _chunk(call: _Call, plan: _Plan, rows: slice, views: list[Tensor]) -> _Chunk
     sparse_weights = torch.cat(weight_columns, 1).T if weight_columns else None
     w_total = plan.dense + (sparse_weights.sum(0) if sparse_weights is not None else 0.0)
     return _Chunk(
-        rows, logits, probs, product, p, neg_entropy, topk_ids, topk_probs, label_ids, has_label,
-        sparse_ids, sparse_weights, w_total,
+        rows, logits, probs, product, below, p, neg_entropy, topk_ids, topk_probs, label_ids,
+        has_label, sparse_ids, sparse_weights, w_total,
     )  # fmt: skip
 
 
@@ -400,7 +419,8 @@ def _target_distribution(
     p.div_(total)
     if plan.wants_argmax:
         plan.target_argmax[rows] = target_top
-    return torch.special.xlogy(p, p).sum(0) if plan.coef["forward_kl"] > 0 else None
+    reads_entropy = plan.coef["forward_kl"] > 0 or plan.coef["lk_lambda"] > 0
+    return torch.special.xlogy(p, p).sum(0) if reads_entropy else None
 
 
 def _topk_in_draft_vocab(call: _Call, plan: _Plan, rows: slice) -> tuple[Tensor, Tensor]:
@@ -436,17 +456,19 @@ def _draft_step(call: _Call, plan: _Plan, chunk: _Chunk, sums: _Sums, j: int) ->
     valid = call.draft.valid[j, rows]
     sums.matches[j] += ((drafted == plan.target_argmax[rows]) & valid).sum()
     values = _step_terms(chunk, draft_logits, lse)
+    lk = _lk_step(call, plan, chunk, total, values, j) if plan.lk else None
     row_mask = plan.trained[j, rows].double()
     sums.terms[j] += torch.stack([(v * row_mask).sum() for v in values]) / plan.denominators[j]
     if call.wants_grad:
-        _step_gradients(call, plan, chunk, sums, j, hidden, total)
+        _step_gradients(call, plan, chunk, sums, j, hidden, total, lk)
 
 
 def _step_terms(chunk: _Chunk, draft_logits: Tensor, lse: Tensor) -> list[Tensor]:
-    """The four TERMS of one step at each of the chunk's c positions (fp64; zeros for a term
-    whose weight is 0), from its logits V'×c and their log-sum-exp 1×c."""
+    """The TERMS of one step at each of the chunk's c positions (fp64; zeros for a term whose
+    weight is 0, and for the LK terms, which ``_lk_step`` fills), from its logits V'×c and their
+    log-sum-exp 1×c."""
     zeros = torch.zeros(lse.shape[-1], dtype=torch.float64, device=lse.device)
-    values = [zeros, zeros, zeros, zeros]
+    values = [zeros] * len(TERMS)
     p = chunk.p
     if p is not None:  # −Σ_v p_v log q_v = lse − Σ_v p_v logit_v, as p sums to 1
         soft = (lse.squeeze(0) - torch.mul(p, draft_logits, out=chunk.product).sum(0)).double()
@@ -462,22 +484,67 @@ def _step_terms(chunk: _Chunk, draft_logits: Tensor, lse: Tensor) -> list[Tensor
     return values
 
 
+@dataclass(frozen=True, eq=False)
+class _LKStep:
+    """The LK terms' part of one step's soft targets w on a chunk (see the module's docstring):
+    ``short`` (V'×c, in ``chunk.product``) q·[q < p] weighted by ``short_weight`` (c), p by
+    ``dense`` (c), and their sum over V, ``w_total`` (c)."""
+
+    short: Tensor
+    short_weight: Tensor
+    dense: Tensor
+    w_total: Tensor
+
+
+def _lk_step(call: _Call, plan: _Plan, chunk: _Chunk, total: Tensor, values: list[Tensor], j: int) -> _LKStep:
+    """Step ``j``'s LK terms on the chunk into ``values`` (per position) and their soft targets;
+    ``total`` (1×c) the sum of exp(logit − max) in ``chunk.probs``."""
+    c_alpha, c_lambda = plan.coef["lk_alpha"], plan.coef["lk_lambda"]
+    # chunk.logits is free once the step's other terms are read: α's scratch.
+    alpha, short = acceptance_(chunk.p, chunk.probs, total, chunk.product, chunk.below, chunk.logits)
+    short_weight = torch.zeros_like(alpha)
+    dense = torch.zeros_like(alpha)
+    if c_alpha > 0:  # −log α: w = q·[q < p] / α
+        floored = alpha.clamp(min=ALPHA_FLOOR)
+        values[TERMS.index("lk_alpha")] = -floored.log().double()
+        short_weight += c_alpha * (alpha >= ALPHA_FLOOR) / floored
+    if c_lambda > 0:  # λ·KL + (1 − λ)·(1 − α): w = λ·p + (1 − λ)·q·[q < p]
+        trained = plan.trained[j, chunk.rows].to(alpha.dtype)
+        blend = torch.exp(-call.weights.lk_eta * (alpha * trained).sum() / trained.sum().clamp(min=1))
+        kl = values[TERMS.index("soft_ce")] + chunk.neg_entropy.double()  # −Σ p log q + Σ p log p
+        values[TERMS.index("lk_lambda")] = blend * kl + (1 - blend) * (1 - alpha.double())
+        short_weight += c_lambda * (1 - blend)
+        dense += c_lambda * blend
+    return _LKStep(short, short_weight, dense, short_weight * short.sum(0) + dense)  # Σ_v p_v = 1
+
+
 def _step_gradients(
-    call: _Call, plan: _Plan, chunk: _Chunk, sums: _Sums, j: int, hidden: Tensor, total: Tensor
+    call: _Call,
+    plan: _Plan,
+    chunk: _Chunk,
+    sums: _Sums,
+    j: int,
+    hidden: Tensor,
+    total: Tensor,
+    lk: _LKStep | None,
 ) -> None:
     """Adds step ``j``'s gradients at the chunk's positions (``hidden`` c×H, the sum ``total``
-    1×c of exp(logit − max) in ``chunk.probs``) to ``sums``."""
+    1×c of exp(logit − max) in ``chunk.probs``, the LK terms' soft targets ``lk``) to ``sums``."""
     acc, rows = plan.acc, chunk.rows
     # Gradient of step_weight_j · Σ_t c_t · mean_j(term_t) with respect to the logits,
     # (Σ_v w_v)·q − w per position scaled, written over exp(logit − max) in place
     # (q = that / total): the dense part of w subtracted over V×c, the sparse part
-    # at its K' entries.
+    # at its K' entries, the LK terms' q·[q < p] over V×c.
     scale = (call.step_weights[j] / plan.denominators[j]).to(acc) * plan.trained[j, rows].to(acc)  # c
-    grad_logits = chunk.probs.mul_(chunk.w_total * scale / total)
+    w_total = chunk.w_total if lk is None else chunk.w_total + lk.w_total
+    grad_logits = chunk.probs.mul_(w_total * scale / total)
     if chunk.p is not None and plan.dense > 0:
         grad_logits.addcmul_(chunk.p, scale, value=-plan.dense)
     if chunk.sparse_ids is not None:
         grad_logits.scatter_add_(0, chunk.sparse_ids, chunk.sparse_weights * -scale)
+    if lk is not None:
+        grad_logits.addcmul_(chunk.p, lk.dense * scale, value=-1)
+        grad_logits.addcmul_(lk.short, lk.short_weight * scale, value=-1)
     if sums.gathered is not None:
         grad_logits = sums.gathered.slot(j, hidden).copy_(grad_logits)
     else:

@@ -10,6 +10,11 @@ The terms, by head (docs/architecture.md §3):
 * EAGLE-1/2: ``feature`` SmoothL1(ĥ, f) + 0.1 ``soft_ce``(softmax(lm_head f) ‖ lm_head ĥ).
 * EAGLE-3: ``soft_ce`` against the target distribution restricted to the draft vocabulary.
 * HASS Top-K distillation ``topk`` (any head) and ``forward_kl`` (any head).
+* LK losses (arXiv 2602.23881; any head), which train the acceptance rate itself, α = Σ_v
+  min(p_v, q_v) (the chance that speculative sampling accepts a token drafted from q against the
+  target's p): ``lk_alpha`` = −log α, and ``lk_lambda`` = λ·KL(p ‖ q) + (1 − λ)·(1 − α)
+  with λ = exp(−η·ᾱ), ᾱ the positions' mean α, detached: KL while the draft accepts little
+  (TV's gradient vanishes there), the acceptance rate itself as it learns.
 """
 
 from __future__ import annotations
@@ -20,10 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# −log α is floored here: a position where draft and target share (almost) no mass costs
+# −log(1e-6) ≈ 13.8, not ∞, and passes no gradient.
+ALPHA_FLOOR = 1e-6
+
 
 @dataclass(frozen=True)
 class LossWeights:
-    """Weights of the loss terms (0 disables a term; ``topk_k`` is HASS's K)."""
+    """Weights of the loss terms (0 disables a term; ``topk_k`` is HASS's K, ``lk_eta`` LK^λ's η)."""
 
     feature: float = 0.0
     soft_ce: float = 0.0
@@ -31,11 +40,14 @@ class LossWeights:
     topk: float = 0.0
     topk_k: int = 10
     ce: float = 0.0
+    lk_alpha: float = 0.0
+    lk_lambda: float = 0.0
+    lk_eta: float = 3.0
 
     def __post_init__(self) -> None:
-        for name in ("feature", "soft_ce", "forward_kl", "topk", "ce"):
+        for name in ("feature", "soft_ce", "forward_kl", "topk", "ce", "lk_alpha", "lk_lambda", "lk_eta"):
             if getattr(self, name) < 0:
-                raise ValueError(f"loss weight {name} must be >= 0, got {getattr(self, name)}")
+                raise ValueError(f"loss.weights.{name} must be >= 0, got {getattr(self, name)}")
         if self.topk > 0 and self.topk_k < 1:
             raise ValueError(f"loss topk_k must be >= 1 when topk > 0, got {self.topk_k}")
 
@@ -73,6 +85,28 @@ def topk_distillation(draft_logits: Tensor, topk_ids: Tensor, topk_probs: Tensor
     return _mean(-(topk_probs * picked * present).sum(-1))
 
 
+def acceptance_rate(draft_logits: Tensor, target_probs: Tensor) -> Tensor:
+    """α = Σ_v min(p(v), q(v)) per position (N) for draft logits N×V' and target probabilities N×V'."""
+    return torch.minimum(target_probs, F.softmax(draft_logits.float(), dim=-1)).sum(-1)
+
+
+def lk_alpha(draft_logits: Tensor, target_probs: Tensor) -> Tensor:
+    """LK^α: −log α, α floored at :data:`ALPHA_FLOOR`; TV's target with its gradient scaled by 1/α."""
+    return _mean(-acceptance_rate(draft_logits, target_probs).clamp(min=ALPHA_FLOOR).log())
+
+
+def lk_lambda(draft_logits: Tensor, target_probs: Tensor, eta: float) -> Tensor:
+    """LK^λ: λ·KL(p ‖ q) + (1 − λ)·(1 − α) per position, λ = exp(−η·ᾱ) with ᾱ the mean α over the
+    N positions given, detached (the fused losses take ᾱ over each chunk of positions)."""
+    alpha = acceptance_rate(draft_logits, target_probs)
+    if not alpha.numel():
+        return alpha.sum()
+    blend = torch.exp(-eta * alpha.mean()).detach()
+    log_q = F.log_softmax(draft_logits.float(), dim=-1)
+    kl = torch.special.xlogy(target_probs, target_probs).sum(-1) - (target_probs * log_q).sum(-1)
+    return _mean(blend * kl + (1 - blend) * (1 - alpha))
+
+
 def cross_entropy(draft_logits: Tensor, labels: Tensor) -> Tensor:
     """CE against hard labels N (draft-vocabulary ids, −1 = outside the draft vocabulary, ignored)."""
     if not labels.numel():
@@ -99,6 +133,8 @@ def step_loss(
         "forward_kl": (target_probs,),
         "topk": (topk_ids, topk_probs),
         "ce": (labels,),
+        "lk_alpha": (target_probs,),
+        "lk_lambda": (target_probs,),
     }
     for name, inputs in needs.items():
         if getattr(weights, name) > 0 and any(x is None for x in inputs):
@@ -113,6 +149,10 @@ def step_loss(
         terms["topk"] = topk_distillation(draft_logits, topk_ids, topk_probs)
     if weights.ce > 0:
         terms["ce"] = cross_entropy(draft_logits, labels)
+    if weights.lk_alpha > 0:
+        terms["lk_alpha"] = lk_alpha(draft_logits, target_probs)
+    if weights.lk_lambda > 0:
+        terms["lk_lambda"] = lk_lambda(draft_logits, target_probs, weights.lk_eta)
     total = torch.zeros((), device=draft_logits.device)
     for name, value in terms.items():
         total = total + getattr(weights, name) * value

@@ -125,6 +125,19 @@ def project(weight: Tensor, rows: Tensor, out: Tensor) -> Tensor:
     return out.copy_(weight @ rows.T)
 
 
+def acceptance_(
+    p: Tensor, probs: Tensor, total: Tensor, short: Tensor, below: Tensor, scratch: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The acceptance rate α = Σ_v min(p_v, q_v) (c) of the draft q = ``probs`` / ``total`` (V×c
+    and 1×c, as ``softmax_`` leaves them) against the target's p (V×c). Leaves in ``short`` (V×c)
+    q·[q < p], the draft's mass where it falls short of the target's: α's gradient reads it,
+    ∂α/∂logit_u = short_u − q_u·Σ_v short_v. Returns α and ``short``; ``below`` (V×c bool) and
+    ``scratch`` (V×c) are work buffers."""
+    q = torch.div(probs, total, out=short)
+    alpha = torch.minimum(p, q, out=scratch).sum(0)
+    return alpha, q.mul_(torch.lt(q, p, out=below))
+
+
 def softmax_(
     logits: Tensor, probs: Tensor, argmax_with: tuple[Tensor, Tensor] | None = None
 ) -> tuple[Tensor, Tensor, Tensor | None]:
