@@ -95,6 +95,10 @@ BENCH_SETTINGS = {
     "draft_model.num_layers": at_least(1),
     "typical.epsilon": in_range(0, 1),
     "typical.delta": in_range(0, 1),
+    "ngram_branches.tokens": at_least(1),
+    "ngram_branches.max_ngram": at_least(1),
+    "ngram_branches.min_ngram": at_least(1),
+    "ngram_branches.branches": at_least(1),
 }
 
 

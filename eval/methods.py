@@ -6,13 +6,15 @@ loop (all but HF's) also decode B prompts together (``generate_batch``, :mod:`sp
 Method config (a mapping):
 
 * ``{type: plain}`` — token by token on our target runner (the speedup reference);
-* ``{type: head, checkpoint, shape, shortlist, typical}`` — a trained head in our decode loop;
+* ``{type: head, checkpoint, shape, shortlist, typical, ngram}`` — a trained head in our decode loop;
   ``shortlist``: false, true (the run's ``shortlist.size`` most frequent tokens) or a size;
   ``shape`` = ``{kind: dynamic, depth, top_k, total_tokens}`` | ``{kind: chain, depth,
   threshold}`` | ``{kind: static, paths}`` | ``{kind: static, rank_accept, num_nodes}`` |
   ``{kind: auto, candidates}`` (the fastest candidate on this machine, or plain decoding;
   :mod:`specdraft.eval.autoshape`);
   ``typical: true`` switches on Medusa typical acceptance (LOSSY at T > 0);
+  ``ngram: {tokens, max_ngram, min_ngram, branches}`` adds the context's prompt-lookup
+  continuations as branches of every tree (:mod:`specdraft.eval.ngram_branches`; null: none);
 * ``{type: draft_model, depth, threshold}`` — classic speculative sampling with the draft LM;
 * ``{type: lookahead, window, ngram, guesses, pool_per_token}`` — lookahead decoding, no draft
   model (:mod:`specdraft.eval.lookahead`);
@@ -41,6 +43,7 @@ from specdraft.eval.drafters import Chain, Drafter, DynamicTree, StaticTree, Tre
 from specdraft.eval.feature_drafter import FeatureHeadDrafter
 from specdraft.eval.lookahead import Lookahead, LookaheadDrafter
 from specdraft.eval.medusa_drafter import MedusaDrafter
+from specdraft.eval.ngram_branches import NgramBranchDrafter, NgramBranches
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.trees import best_static_tree
@@ -230,9 +233,11 @@ def _head_method(name: str, config: Mapping[str, Any], run: MethodContext) -> Me
     aux_layer_ids = head.target_taps
     runner = run.runner(aux_layer_ids)
     words = method_shortlist(name, config.get("shortlist", False), run.shortlist)
+    ngram = NgramBranches(**config["ngram"]) if config.get("ngram") else None
 
     def drafter_for(shape: TreeShape) -> Drafter:
-        return drafter_for_head(head, shape, words, compile=run.compile, graphs=run.graphs)
+        drafter = drafter_for_head(head, shape, words, compile=run.compile, graphs=run.graphs)
+        return drafter if ngram is None else NgramBranchDrafter(drafter, ngram)
 
     shape_config, details = dict(config["shape"]), {}
     if shape_config.get("kind") == AUTO:
@@ -378,6 +383,13 @@ def _check_method(name: str, config: Mapping[str, Any]) -> None:
         shortlist = config.get("shortlist", False)
         if not isinstance(shortlist, bool) and not (isinstance(shortlist, int) and shortlist > 0):
             raise ValueError(f"shortlist must be true, false or a positive token count, got {shortlist!r}")
+        ngram = config.get("ngram")
+        if ngram:
+            try:
+                NgramBranches(**ngram)
+            except TypeError as error:
+                expected = "tokens, max_ngram, min_ngram, branches"
+                raise ValueError(f"ngram: expected {expected} ({error})") from None
     elif kind == "draft_model":
         Chain(depth=int(config.get("depth", 0)), threshold=config.get("threshold"))
     elif kind == "lookahead":

@@ -5,7 +5,8 @@
   drafts × chain, static tree, dynamic tree × Medusa, EAGLE, EAGLE-3 (and a draft model);
 * the oracle accepts the whole tree depth at every step, the adversary nothing;
 * sampling through the whole loop reproduces the target's distribution over whole emitted
-  blocks, the bonus token included (chi-square of every prefix), and runs on the target's device
+  blocks, the bonus token included (chi-square of every prefix), with and without prompt-lookup
+  n-gram branches in the trees, and runs on the target's device
   (on the default tiny target, whose peaked distributions let whole blocks be accepted);
 * every distribution a feature-head drafter scores candidates with equals the head run from
   scratch on that node's path (greedy equality is blind to bugs that only lower acceptance).
@@ -20,12 +21,14 @@ from conftest import prefix_chi_squares, reference_probs
 from specdraft.data.features import TokenBatch, extract_features
 from specdraft.data.target import target_weights
 from specdraft.data.tiny import tiny_random_target
+from specdraft.eval.autoshape import accepted_along
 from specdraft.eval.decode import Typical, plain_generate, speculative_generate
 from specdraft.eval.draft_model import DraftModelDrafter
 from specdraft.eval.drafters import Chain, DynamicTree, StaticTree
 from specdraft.eval.feature_drafter import FeatureHeadDrafter
 from specdraft.eval.medusa_drafter import MedusaDrafter
 from specdraft.eval.methods import build_method, method_shortlist
+from specdraft.eval.ngram_branches import NgramBranchDrafter, NgramBranches
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.sampling import Sampling
 from specdraft.eval.trees import best_static_tree
@@ -232,25 +235,55 @@ def near_target_filter(target, strength: float):
     return score_filter
 
 
+# Prompt-lookup branches after every root (eval/ngram_branches.py): the prompt below opens with
+# every token id once, so each root's 1-gram is found there. Their nodes come out of the tree's
+# budget, so the trees below leave the head room to be accepted whole too.
+BRANCHES = NgramBranches(tokens=DRAFT_DEPTH, max_ngram=1, min_ngram=1, branches=1)
+ONE_TOKEN_BRANCH = NgramBranches(tokens=1, max_ngram=1, min_ngram=1, branches=1)
+
+
 @pytest.mark.parametrize(
-    "kind,shape,sampling",
+    "kind,shape,sampling,ngram",
     [
-        ("eagle", Chain(depth=DRAFT_DEPTH), TOP2),
-        ("eagle", DynamicTree(depth=DRAFT_DEPTH, top_k=2, total_tokens=5), TOP2),
-        ("medusa", StaticTree(((0,), (1,), (0, 0), (1, 0))), TOP2),
-        ("eagle", DynamicTree(depth=DRAFT_DEPTH, top_k=2, total_tokens=5), TOP2_NUCLEUS),
+        ("eagle", Chain(depth=DRAFT_DEPTH), TOP2, None),
+        ("eagle", DynamicTree(depth=DRAFT_DEPTH, top_k=2, total_tokens=5), TOP2, None),
+        ("medusa", StaticTree(((0,), (1,), (0, 0), (1, 0))), TOP2, None),
+        ("eagle", DynamicTree(depth=DRAFT_DEPTH, top_k=2, total_tokens=5), TOP2_NUCLEUS, None),
+        ("eagle", DynamicTree(depth=DRAFT_DEPTH, top_k=2, total_tokens=7), TOP2, BRANCHES),
+        ("eagle", Chain(depth=DRAFT_DEPTH + 1), TOP2, ONE_TOKEN_BRANCH),
     ],
-    ids=["eagle-chain", "eagle-dynamic-tree", "medusa-static-tree", "eagle-dynamic-tree-top-p"],
+    ids=[
+        "eagle-chain",
+        "eagle-dynamic-tree",
+        "medusa-static-tree",
+        "eagle-dynamic-tree-top-p",
+        "eagle-dynamic-tree-ngram-branches",
+        "eagle-sampled-chain-ngram-branches",
+    ],
 )
-def test_sampling_reproduces_the_target_distribution(tiny_target, kind, shape, sampling):
+def test_sampling_reproduces_the_target_distribution(tiny_target, kind, shape, sampling, ngram):
     """The first BLOCK tokens — the root, then the first round's drafts and its bonus token (or a
     later round's tokens after a rejection) — follow the target's distribution, every prefix of
-    them (conftest.prefix_chi_squares)."""
+    them (conftest.prefix_chi_squares); with n-gram branches beside the head's candidates too
+    (a sampled chain that gains one is verified as a tree)."""
     prompt = prompt_ids(tiny_target, seed=7)
+    if ngram is not None:
+        every_token = torch.randperm(tiny_target.spec.vocab_size, generator=torch.Generator().manual_seed(3))
+        prompt = torch.cat([every_token, prompt])
     expected = target_block_probabilities(tiny_target, prompt, BLOCK, sampling)
     drafter = drafter_for(random_head(tiny_target, kind), kind, shape, near_target_filter(tiny_target, 0.5))
     runner = runner_for(tiny_target, kind)
     generator = torch.Generator().manual_seed(0)
+    if ngram is not None:
+        drafter = NgramBranchDrafter(drafter, ngram)
+        # The branch is there: what followed the root's latest occurrence, drafted under it.
+        output, context = runner.prefill(prompt), prompt.tolist()
+        root = int(output.logits[-1].argmax())
+        drafter.reset()
+        drafter.commit(context, output, root)
+        last = len(context) - 1 - context[::-1].index(root)
+        branch = [*context, root][last + 1 : last + 1 + ngram.tokens]
+        assert accepted_along(drafter.draft(root, sampling, generator), branch) == len(branch) > 0
     counts: dict[tuple[int, ...], int] = {}
     outcomes = {"accepted all": 0, "rejected some": 0}
     for _ in range(TRIALS):
