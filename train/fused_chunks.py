@@ -88,8 +88,8 @@ def plan_call(call: Call) -> Plan:
     # The soft targets w = c_dense·p + (c_topk·(p on the top-K) + c_ce·onehot): the dense part
     # reads the target's whole distribution p (soft CE, forward KL), the sparse part K' entries a
     # position, kept as (ids, weights) and never spread over V×c. p itself is only computed when
-    # the dense part or the target's argmax (unknown: no cached top-1, full vocab) needs it: else
-    # the target's vocabulary projection is skipped altogether.
+    # the dense part, an LK term (α reads the whole p) or the target's argmax (unknown: no cached
+    # top-1, full vocab) needs it: else the target's vocabulary projection is skipped altogether.
     dense = coef["soft_ce"] + coef["forward_kl"]
     wants_argmax = target.argmax is None and draft.vocab is None
     lk = coef["lk_alpha"] > 0 or coef["lk_lambda"] > 0
