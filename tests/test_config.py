@@ -2,6 +2,7 @@
 
 import inspect
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -154,6 +155,10 @@ def test_a_head_method_without_a_checkpoint_is_one_clear_error():
     assert problems and all("checkpoint is not set" in p for p in problems)
     unset = {"methods.eagle2_tree", "methods.eagle2_chain", "methods.eagle3_tree"}
     assert {p.split(":")[0] for p in problems} == unset
+    given = compose_bench("methods=ablation", "+checkpoints.eagle2=a.ckpt", "+checkpoints.hass=b.ckpt")
+    unset = {p.split(":")[0] for p in method_problems(method_configs(given))}
+    recipes = ("eagle2_lk", "hass_lk", "eagle3", "eagle3_lk")
+    assert unset == {f"methods.{r}{ngram}" for r in recipes for ngram in ("", "_ngram")}
 
 
 def test_named_inline_and_unknown_shapes():
@@ -243,8 +248,11 @@ def test_every_composed_command_config_passes_its_checks(name, overrides):
     from specdraft.train import export
 
     checkpoint = ["checkpoint=head.ckpt"] if name in ("bench", "eval", "export") else []
-    if "methods=equal_tokens" in overrides:  # the preset's other heads, by name
-        checkpoint += ["+checkpoints.eagle2=eagle2.ckpt", "+checkpoints.eagle3=eagle3.ckpt"]
+    for preset in (o.removeprefix("methods=") for o in overrides if o.startswith("methods=")):
+        # a preset's other heads, by name (`${oc.select:checkpoints.<name>,null}`)
+        preset_text = (CONF_DIR / "methods" / f"{preset}.yaml").read_text()
+        names = sorted(set(re.findall(r"checkpoints\.(\w+)", preset_text)))
+        checkpoint += [f"+checkpoints.{n}={n}.ckpt" for n in names]
     cfg = compose_command(name, *checkpoint, *overrides)
     if name in ("bench", "eval"):
         eval_cli.check_bench_settings(cfg)
