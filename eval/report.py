@@ -9,15 +9,14 @@ Metrics (docs/architecture.md §3): τ = output tokens after the first ÷ target
 whole wall time (prefill included); speedup = tokens/s ÷ plain decoding's on the same turns.
 The estimate τ·t_target(1) / (t_draft + t_verify(n) + t_bookkeeping) is the speedup the
 measured step times predict; ``overhead_share`` = (t_draft + t_bookkeeping) / t_verify(n).
-:func:`paired_bootstrap` puts a confidence interval on one method's τ against another's;
-:func:`compare_with_reference` does so for every method, per temperature and prompt set.
+:func:`paired_bootstrap` puts a confidence interval on one method's τ and tokens/s against another's.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -143,42 +142,6 @@ def paired_bootstrap(
         "ratio": percentile_interval(tau / tau_reference, resampled_tau / resampled_reference, confidence),
         "speed_ratio": speed_ratio,
     }
-
-
-OVERALL_KEYS = ("turns", "tau", "acceptance_per_depth", "depth_attempts", "speedup", "tokens_per_s")
-
-
-def compare_with_reference(
-    records: Sequence[dict[str, Any]],
-    reference: str,
-    prompt_sets: Mapping[str, Callable[[str], bool]],
-    plain_method: str = "plain",
-) -> dict[str, dict[str, dict[str, Any]]]:
-    """Every method of one interleaved bench against ``reference``, per temperature and prompt set
-    (``prompt_sets``: name -> whether a record's category belongs to it; a set no record falls in
-    is left out): ``{"T=<t>": {set: {method: {"overall": OVERALL_KEYS of its metrics, "lossless"
-    (T=0), "against_reference": paired_bootstrap(...)}}}}``; plain decoding and the reference
-    itself are not compared with the reference."""
-    compared: dict[str, dict[str, dict[str, Any]]] = {}
-    for temperature in sorted({r["temperature"] for r in records}):
-        key = f"T={temperature:g}"
-        for name, member in prompt_sets.items():
-            rows = [r for r in records if r["temperature"] == temperature and member(r["category"])]
-            if not rows:
-                continue
-            compared.setdefault(key, {})[name] = {
-                method: {
-                    "overall": {k: entry["overall"].get(k) for k in OVERALL_KEYS},
-                    **({"lossless": entry["lossless"]} if "lossless" in entry else {}),
-                    **(
-                        {"against_reference": paired_bootstrap(rows, method, reference)}
-                        if method not in (plain_method, reference)
-                        else {}
-                    ),
-                }
-                for method, entry in summarize(rows, plain_method)[key].items()
-            }
-    return compared
 
 
 def percentile_interval(

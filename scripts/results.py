@@ -8,18 +8,18 @@ snapshots in docs/results/ (committed, so any clone re-renders it byte for byte)
       --command "specdraft-bench methods=decoder …" --commit abc1234 --conditions "…"
   python scripts/results.py record regen "plain, rows auto:abc1234:outputs/regen/x.jsonl" … \\
       --machine-class "…" --command "specdraft-regen …" --conditions "…"
-  python scripts/results.py record bench block outputs/bench/block [outputs/bench/block_t1 …] \\
-      --reference eagle2_tree --training eagle2=outputs/train/eagle2/summary.json … \\
+  python scripts/results.py record bench ablation outputs/bench/ablation [outputs/bench/ablation_t1 …] \\
+      --reference eagle2 --training eagle2=outputs/train/eagle2/summary.json … \\
       --settings eagle2="…" … --machine-class "…" --command "…" --commit abc1234 --conditions "…"
 
 A snapshot holds the numbers its section shows AND how they were obtained, as data: ``run`` =
 {machine, command, commit, prompts, conditions}. Sections with several machine classes
 (quickstart, decoder, training speed) keep one entry per class: a new result REPLACES its
 predecessor for that class (git keeps the history). ``record`` turns a command's outputs into an
-entry — ``bench``: a ``specdraft-bench`` report.json (quickstart: its eval's; ablation: the
-interleaved heads, each against EAGLE-2 by eval.report.compare_with_reference; block: one or more
-interleaved runs, their records merged, every drafting method against ``--reference`` by
-eval.report.paired_bootstrap, and each head's training run from its summary.json); ``regen``: the
+entry — ``bench``: a ``specdraft-bench`` report.json (quickstart: its eval's; the equal-token
+comparisons, ablation and block: one or more interleaved runs, their records merged, every drafting
+method against ``--reference`` by eval.report.paired_bootstrap per prompt set and temperature, and
+each head's training run from its summary.json); ``regen``: the
 reports ``specdraft-regen`` writes beside its outputs (data.regen.report_path);
 ``train_speed``: a scripts/bench_train_step.py output. The sweep, recipe and evidence snapshots
 are written by hand from ``specdraft-sweep-report`` / training summaries / the other sections.
@@ -35,7 +35,7 @@ from pathlib import Path
 
 from specdraft.data.regen import report_path
 from specdraft.eval.bench import read_records
-from specdraft.eval.report import compare_with_reference, paired_bootstrap, summarize
+from specdraft.eval.report import paired_bootstrap, summarize
 from specdraft.system.files import write_bytes_atomic, write_json_atomic
 
 # The section renderers live beside this script; its directory is on sys.path when it runs as
@@ -46,10 +46,15 @@ import results_sections as sections
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "results.md"
 SNAPSHOTS = ROOT / "docs" / "results"
-# The equal-token ablation's prompt sets (one interleaved bench) and the head each is paired with.
-PROMPT_SETS = {"MT-bench": lambda category: category != "humaneval", "HumanEval": lambda c: c == "humaneval"}
-ABLATION_REFERENCE = "eagle_tree"
+# The prompt sets of a bench over prompts=mt_bench_humaneval, by record. MT-bench's second turns ask
+# to rework the method's own first answer: what prompt lookup copies, so they are a set of their own.
+PROMPT_SETS = {
+    "MT-bench turn 1": lambda r: r["category"] != "humaneval" and r["turn"] == 0,
+    "MT-bench turn 2": lambda r: r["category"] != "humaneval" and r["turn"] > 0,
+    "HumanEval": lambda r: r["category"] == "humaneval",
+}
 ENTRIES = ("quickstart", "decoder", "train_speed")  # sections with one entry per machine class
+COMPARISONS = ("ablation", "block")  # equal-token comparisons of heads: comparison_entry
 
 
 # --- recording: a command's outputs → a snapshot entry ----------------------------------------
@@ -66,32 +71,13 @@ def measured(entry: dict) -> dict:
 def bench_entry(out_dir: Path, section: str) -> dict:
     """What the ``section``'s tables need from a ``specdraft-bench`` run in ``out_dir``."""
     report = json.loads((out_dir / "report.json").read_text())
-    if section == "ablation":
-        compared = compare_with_reference(read_records(out_dir), ABLATION_REFERENCE, PROMPT_SETS)
-        return {
-            "results": {
-                temperature: {
-                    name: {
-                        method: {
-                            **measured(entry),
-                            **{k: entry[k] for k in ("against_reference",) if k in entry},
-                        }
-                        for method, entry in methods.items()
-                    }
-                    for name, methods in sets.items()
-                }
-                for temperature, sets in compared.items()
-            }
-        }
     if section == "lookahead":  # per prompt set: MT-bench first turns alternate with HumanEval
         records = read_records(out_dir)
         return {
             "results": {
-                name: {
-                    m: measured(e)
-                    for m, e in summarize([r for r in records if member(r["category"])])["T=0"].items()
-                }
+                name: {m: measured(e) for m, e in summarize([r for r in records if member(r)])["T=0"].items()}
                 for name, member in PROMPT_SETS.items()
+                if any(member(r) for r in records)
             }
         }
     if section == "batch":
@@ -106,10 +92,10 @@ def bench_entry(out_dir: Path, section: str) -> dict:
     return entry
 
 
-def block_entry(
+def comparison_entry(
     out_dirs: list[Path], reference: str, training: dict[str, str], settings: dict[str, str]
 ) -> dict:
-    """The block drafter's comparison: one or more interleaved ``specdraft-bench`` runs (their
+    """An equal-token comparison of heads: one or more interleaved ``specdraft-bench`` runs (their
     records merged per temperature), every method paired with ``reference`` per prompt set and
     temperature, and each head's training run (``training``: head -> its summary.json)."""
     records: list[dict] = []
@@ -127,7 +113,7 @@ def block_entry(
     for temperature in sorted({r["temperature"] for r in records}):
         key = f"T={temperature:g}"
         for name, member in PROMPT_SETS.items():
-            rows = [r for r in records if r["temperature"] == temperature and member(r["category"])]
+            rows = [r for r in records if r["temperature"] == temperature and member(r)]
             if rows:
                 prompts.setdefault(key, {})[name] = len({r["question_id"] for r in rows})
                 results.setdefault(key, {})[name] = against(rows, reference)
@@ -148,8 +134,7 @@ def block_entry(
 def against(rows: list[dict], reference: str) -> dict:
     """Each method's numbers on ``rows`` (one temperature, one prompt set) and, for a drafting
     method (its records have steps) where ``reference`` ran too, eval.report.paired_bootstrap
-    against it (compare_with_reference would also pair the step-less HF baselines, and it keeps
-    no draft / verify ms)."""
+    against it (the step-less HF baselines are not paired: they have no τ)."""
     stepped = {r["method"] for r in rows if r.get("steps") is not None}
     compared = {}
     for method, entry in next(iter(summarize(rows).values())).items():
@@ -234,9 +219,9 @@ def record(args: argparse.Namespace) -> None:
     """Write one snapshot entry with its conditions: in a section per machine class (ENTRIES), in
     place of the entry of the same class; elsewhere in place of the section's numbers."""
     source = Path(args.source[0])
-    if args.kind == "bench" and args.section == "block":
+    if args.kind == "bench" and args.section in COMPARISONS:
         training, settings = named(args.training), named(args.settings)
-        entry = block_entry([Path(s) for s in args.source], args.reference, training, settings)
+        entry = comparison_entry([Path(s) for s in args.source], args.reference, training, settings)
     elif args.kind == "bench":
         entry = bench_entry(source, args.section)
     else:
@@ -259,6 +244,8 @@ def record(args: argparse.Namespace) -> None:
     if args.section in ENTRIES:
         kept = [e for e in snapshot["entries"] if e["run"]["machine_class"] != args.machine_class]
         snapshot["entries"] = [entry, *kept]
+    elif args.section in COMPARISONS:  # a new comparison replaces the old one: only its about is kept
+        snapshot = {"about": snapshot.get("about", ""), **entry}
     else:
         snapshot.update(entry)
     write_json_atomic(path, snapshot)
@@ -280,13 +267,13 @@ def render(snapshots: Path | None = None) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def block_flags_error(args: argparse.Namespace) -> str | None:
-    """What is wrong with ``record``'s block-only flags, if anything."""
-    is_block = (args.kind, args.section) == ("bench", "block")
-    if is_block and args.reference is None:
-        return "record bench block needs --reference <the EAGLE-2 method>"
-    if not is_block and (args.reference or args.training or args.settings):
-        return "--reference, --training and --settings are for record bench block only"
+def comparison_flags_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``record``'s flags for the equal-token comparisons, if anything."""
+    is_comparison = args.kind == "bench" and args.section in COMPARISONS
+    if is_comparison and args.reference is None:
+        return f"record bench {args.section} needs --reference <the EAGLE-2 method>"
+    if not is_comparison and (args.reference or args.training or args.settings):
+        return f"--reference, --training and --settings are for record bench {'/'.join(COMPARISONS)} only"
     if not set(named(args.settings)) <= set(named(args.training)):
         return "--settings NAME=…: each NAME needs its --training NAME=…"
     return None
@@ -302,7 +289,7 @@ def main() -> None:
     recorder.add_argument("kind", choices=("bench", *RECORDERS))
     recorder.add_argument("section", help="the snapshot: docs/results/<section>.json")
     sources = (
-        "bench: its output dir (block: one or more); regen: LABEL:COMMIT:OUT_PATH …; "
+        f"bench: its output dir ({'/'.join(COMPARISONS)}: one or more); regen: LABEL:COMMIT:OUT_PATH …; "
         "train_speed: bench_train_step.py's --out"
     )
     recorder.add_argument("source", nargs="+", help=sources)
@@ -310,12 +297,12 @@ def main() -> None:
         recorder.add_argument(flag, required=True)
     for flag in ("--commit", "--prompts", "--name", "--machine"):  # --machine: default the report's
         recorder.add_argument(flag)
-    block = "bench block only: "
-    recorder.add_argument("--reference", help=block + "the EAGLE-2 method every method is paired with")
-    recorder.add_argument("--training", action="append", help=block + "NAME=<run dir>/summary.json (repeat)")
-    recorder.add_argument("--settings", action="append", help=block + 'NAME="a head\'s settings" (repeat)')
+    only = f"bench {'/'.join(COMPARISONS)} only: "
+    recorder.add_argument("--reference", help=only + "the EAGLE-2 method every method is paired with")
+    recorder.add_argument("--training", action="append", help=only + "NAME=<run dir>/summary.json (repeat)")
+    recorder.add_argument("--settings", action="append", help=only + 'NAME="a head\'s settings" (repeat)')
     args = parser.parse_args()
-    if args.action == "record" and (error := block_flags_error(args)):
+    if args.action == "record" and (error := comparison_flags_error(args)):
         parser.error(error)
     if args.action == "record":
         record(args)

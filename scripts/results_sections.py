@@ -102,68 +102,17 @@ def thousandths(values: list) -> str:
     return " / ".join(f"{a:.3f}" for a in values)
 
 
-def ablation_section(snapshot: dict) -> list[str]:
-    lines = [
-        "## The equal-token ablation: the same data, the same training tokens",
-        "",
-        *run_lines(snapshot["run"]),
-    ]
-    training, depth = snapshot["training"], snapshot["depth"]
-    # one row per head, its training run and its depth-acceptance run matched by name
-    heads = [*training, *(head for head in depth["runs"] if head not in training)]
-    rows = [
-        [head, *training_cells(training.get(head)), *depth_cells(depth["runs"].get(head))] for head in heads
-    ]
-    header = ["head", "steps", "tokens seen", "held-out acc_1..4 (final)", "simulated τ (final)"]
-    lines += [depth["about"], "", *table([*header, *depth_header("EAGLE-2")], rows)]
-    return [*lines, *ablation_decoding_lines(snapshot["results"])]
+ABLATION_TITLE = "## The equal-token ablation: the same data, the same training tokens"
+BLOCK_TITLE = "## A block drafter (DFlash) against EAGLE heads: the same data, the same training tokens"
 
 
-def training_cells(run: dict | None) -> list[str]:
-    """A head's training run: steps, tokens seen, final held-out acc_1..4 and simulated τ."""
-    if run is None:
-        return ["–"] * 4
-    return [
-        str(run["global_step"]),
-        f"{run['tokens_seen']:,}",
-        thousandths(run["acc"]),
-        f"{run['sim_tau']:.3f}",
-    ]
+def comparison_section(title: str) -> Callable[[dict], list[str]]:
+    """The renderer of an equal-token comparison of heads (scripts/results.py comparison_entry)."""
+    return lambda snapshot: comparison_lines(title, snapshot)
 
 
-def ablation_decoding_lines(results: dict) -> list[str]:
-    """Every head against EAGLE-2 per prompt set: T=0, then (the last three columns) T=1."""
-    sampled, rows = results.get("T=1", {}), []
-    for name, methods in results["T=0"].items():
-        prompts = next(
-            m["against_reference"]["prompts"] for m in methods.values() if "against_reference" in m
-        )
-        for method, r in methods.items():
-            if method == "plain":
-                continue
-            t1 = sampled.get(name, {}).get(method, {})
-            rows.append(
-                [
-                    f"{name} ({prompts})",
-                    method.removesuffix("_tree"),
-                    fmt(r.get("tau"), ".3f"),
-                    alphas(r.get("acceptance_per_depth")),
-                    interval(r.get("against_reference"), "ratio", ".3f"),
-                    interval(r.get("against_reference"), "difference", "+.3f"),
-                    fmt(r.get("speedup"), ".2f", "×"),
-                    r.get("identical", "–"),
-                    fmt(t1.get("tau"), ".3f"),
-                    interval(t1.get("against_reference"), "ratio", ".3f"),
-                    fmt(t1.get("speedup"), ".2f", "×"),
-                ]
-            )
-    header = ["prompts", "head", "τ", "α per depth", "τ ÷ EAGLE-2 [95% CI]", "Δτ [95% CI]", "speedup"]
-    header += ["identical to plain", "τ T=1", "τ ÷ EAGLE-2 T=1 [95% CI]", "speedup T=1"]
-    return ["T=0 and T=1, every head paired with EAGLE-2 on the same prompts:", "", *table(header, rows)]
-
-
-def block_section(snapshot: dict) -> list[str]:
-    title = "## A block drafter (DFlash) against EAGLE heads: the same data, the same training tokens"
+def comparison_lines(title: str, snapshot: dict) -> list[str]:
+    """Each head's training run, then every method per prompt set, paired with the reference."""
     lines = [title, "", *run_lines(snapshot["run"])]
     if snapshot.get("about"):
         lines += [snapshot["about"], ""]
@@ -189,7 +138,11 @@ def block_section(snapshot: dict) -> list[str]:
     header += ["τ T=1", "τ ÷ ref T=1 [95% CI]", "tok/s ÷ ref T=1 [95% CI]", "× plain T=1"]
     lead = f"T=0 and, in the T=1 columns, the methods run at T=1, every method paired with `{reference}`:"
     lines += [lead, "", *table(header, rows)]
-    trees = ", ".join(f"`{m}` {shapes[m]}" for m in snapshot["methods"] if m in shapes)
+    by_shape: dict[str, list[str]] = {}  # methods sharing a tree are named once, together
+    for method in snapshot["methods"]:
+        if method in shapes:
+            by_shape.setdefault(shapes[method], []).append(f"`{method}`")
+    trees = "; ".join(f"{', '.join(methods)} {shape}" for shape, methods in by_shape.items())
     return [*lines, f"Shapes: {trees}.", ""] if trees else lines
 
 
@@ -484,8 +437,8 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "evidence": evidence_section,
     "quickstart": quickstart_section,
     "decoder": decoder_section,
-    "ablation": ablation_section,
-    "block": block_section,
+    "ablation": comparison_section(ABLATION_TITLE),
+    "block": comparison_section(BLOCK_TITLE),
     "sweep": sweep_section,
     "recipe": recipe_section,
     "lookahead": lookahead_section,

@@ -37,7 +37,7 @@ def test_the_committed_doc_renders_byte_identical_from_the_snapshots_alone(resul
 def test_the_doc_keeps_to_the_current_state(results) -> None:
     text = (ROOT / "docs" / "results.md").read_text()
     lines = text.splitlines()
-    assert len(lines) <= 350 and len(list((ROOT / "docs" / "results").iterdir())) <= 12
+    assert len(lines) <= 375 and len(list((ROOT / "docs" / "results").iterdir())) <= 12
     assert "A new result replaces its predecessor for that machine class" in "\n".join(lines[:4])
     titles = [line for line in lines if line.startswith("#")]
     assert not [t for t in titles if re.search(r"\b[0-9a-f]{7,40}\b", t)], "no commit hash in a title"
@@ -188,7 +188,13 @@ def test_regeneration_is_read_from_the_reports_specdraft_regen_writes(results, t
 
 
 def turn(
-    method: str, question: str, category: str, temperature: float, committed: int, forwards: int
+    method: str,
+    question: str,
+    category: str,
+    temperature: float,
+    committed: int,
+    forwards: int,
+    turn_index: int = 0,
 ) -> dict:
     """One answer: ``forwards`` verify steps committing ``committed`` tokens after the first."""
     steps = [[4, 1, 1, 0.001, 0.01, 0.001]] * forwards
@@ -196,7 +202,7 @@ def turn(
         "method": method,
         "question_id": question,
         "category": category,
-        "turn": 0,
+        "turn": turn_index,
         "temperature": temperature,
         "tokens": [7] * (committed + 1),
         "total_s": 0.1 * forwards,
@@ -204,45 +210,6 @@ def turn(
         "stop": "length",
         "steps": steps,
     }
-
-
-def test_the_ablation_pairs_every_head_with_eagle2_per_prompt_set_and_temperature(results, tmp_path) -> None:
-    """The equal-token ablation's tables: eval.report.compare_with_reference on the bench's records."""
-    records = []
-    for temperature in (0.0, 1.0):
-        for question, category in (("q1", "writing"), ("q2", "humaneval")):
-            records += [
-                turn("plain", question, category, temperature, 8, 8),
-                turn("eagle_tree", question, category, temperature, 8, 4),
-                turn("hass_tree", question, category, temperature, 8, 2),
-            ]
-    out_dir = tmp_path / "bench"
-    out_dir.mkdir()
-    (out_dir / "report.json").write_text(json.dumps({"machine": MACHINE}))
-    (out_dir / RECORDS).write_text(json.dumps({"records": records}) + "\n")
-    entry = results.bench_entry(out_dir, "ablation")
-    assert list(entry["results"]) == ["T=0", "T=1"] and list(entry["results"]["T=0"]) == [
-        "MT-bench",
-        "HumanEval",
-    ]
-    hass = entry["results"]["T=0"]["MT-bench"]["hass_tree"]
-    assert hass["tau"] == pytest.approx(4.0) and hass["against_reference"]["ratio"][
-        "estimate"
-    ] == pytest.approx(2.0)
-    assert "against_reference" not in entry["results"]["T=0"]["MT-bench"]["eagle_tree"]
-    # one table per head: training and depth acceptance matched by name, "–" where a side lacks it
-    features = {"acceptance_per_depth": [0.4, 0.3], "chain_tau": 1.7}
-    depth = {"about": "depth", "runs": {"eagle": {"own_features": features, "target_features": features}}}
-    hass = {"global_step": 300, "tokens_seen": 1000, "acc": [0.5, 0.4], "sim_tau": 1.9}
-    run = {"machine": "m", "command": "c", "conditions": "x"}
-    snapshot = {**entry, "run": run, "training": {"hass": hass}, "depth": depth}
-    text = "\n".join(results.sections.ablation_section(snapshot))
-    assert "| hass | 300 | 1,000 | 0.500 / 0.400 | 1.900 | – | – | – | – |" in text
-    assert "| eagle | – | – | – | – | 0.400 / 0.300 | 0.400 / 0.300 | 1.700 / 1.700 | 1 (reference) |" in text
-    assert text.index("| hass | 300 |") < text.index("| eagle | – |")  # training's heads first
-    assert "| MT-bench (1) | eagle | 2.000 | 1.00 | 1 (reference) | – |" in text
-    assert "| MT-bench (1) | hass | 4.000 | 1.00 | 2.000 [2.000, 2.000] | +2.000 [+2.000, +2.000] |" in text
-    assert "| HumanEval (1) | hass | 4.000 |" in text and text.count("T=0 and T=1") == 1  # one table
 
 
 def depth_run(own_tau: float, ratio: float | None = None) -> dict:
@@ -341,11 +308,13 @@ def timed(record: dict, total_s: float, steps: bool = True) -> dict:
     return {**record, "total_s": total_s, **({} if steps else {"steps": None})}
 
 
-def test_the_block_section_pairs_every_method_with_eagle2_over_merged_runs(
-    results, tmp_path, monkeypatch
+@pytest.mark.parametrize("section", ["ablation", "block"])
+def test_an_equal_token_comparison_pairs_every_method_with_eagle2_over_merged_runs(
+    results, tmp_path, monkeypatch, section
 ) -> None:
-    """record bench block: two bench runs (T=0, then T=1 for some methods) merged, every drafting
-    method paired with the EAGLE-2 reference, the training runs from their summary.json."""
+    """record bench ablation / block: two bench runs (T=0, then T=1 for some methods) merged, every
+    drafting method paired with the EAGLE-2 reference per prompt set (MT-bench's second turns a set
+    of their own), the training runs from their summary.json."""
     snapshots = empty_snapshots(results, tmp_path, monkeypatch)
     greedy, sampled = [], []
     for question, category in (("q1", "writing"), ("q2", "humaneval")):
@@ -361,6 +330,11 @@ def test_the_block_section_pairs_every_method_with_eagle2_over_merged_runs(
             turn("eagle2_tree", question, category, 1.0, 8, 8),  # τ 1, 11.25 tok/s
             timed(turn("dflash_chain", question, category, 1.0, 8, 2), 3.6),  # τ 4, 2.5 tok/s
         ]
+    # q1's second turn: EAGLE-2 (τ 4) doubles DFlash's τ there
+    greedy += [
+        turn("eagle2_tree", "q1", "writing", 0.0, 8, 2, turn_index=1),
+        turn("dflash_chain", "q1", "writing", 0.0, 8, 4, turn_index=1),
+    ]
     shapes = {
         "eagle2_tree": {"type": "head", "shape": {"depth": 5, "kind": "dynamic", "top_k": 6}},
         "dflash_chain": {"type": "head", "shape": {"kind": "chain", "depth": 7}},
@@ -384,13 +358,16 @@ def test_the_block_section_pairs_every_method_with_eagle2_over_merged_runs(
     flags = ["--machine-class", "H200", "--command", "specdraft-bench …", "--conditions", "alone"]
     training = [f"--training=eagle2={summaries['eagle2']}", f"--training=dflash={summaries['dflash']}"]
     args = [*flags, "--reference", "eagle2_tree", *training, "--settings", "dflash=block 8, 2 layers"]
-    record(results, "bench", "block", str(first), str(second), *args, "--commit", "abc1234")
-    snapshot = json.loads((snapshots / "block.json").read_text())
+    record(results, "bench", section, str(first), str(second), *args, "--commit", "abc1234")
+    snapshot = json.loads((snapshots / f"{section}.json").read_text())
     assert snapshot["run"]["command"] == "specdraft-bench …" and "entries" not in snapshot
     dflash = snapshot["results"]["T=0"]["HumanEval"]["dflash_chain"]["against_reference"]
     assert dflash["ratio"]["estimate"] == pytest.approx(2.0)  # τ 4 ÷ EAGLE-2's 2
     assert dflash["speed_ratio"]["estimate"] == pytest.approx(5.0 / 22.5)
-    assert "against_reference" not in snapshot["results"]["T=0"]["MT-bench"]["hf_prompt_lookup"]
+    assert "against_reference" not in snapshot["results"]["T=0"]["MT-bench turn 1"]["hf_prompt_lookup"]
+    second_turns = snapshot["results"]["T=0"]["MT-bench turn 2"]
+    assert second_turns["dflash_chain"]["against_reference"]["ratio"]["estimate"] == pytest.approx(0.5)
+    assert snapshot["prompt_sets"] == ["MT-bench turn 1", "MT-bench turn 2", "HumanEval"]
     text = (tmp_path / "results.md").read_text()
     # one table: every prompt set at T=0, the T=1 results in the last four columns
     assert text.count("every method paired with `eagle2_tree`:") == 1
@@ -400,19 +377,19 @@ def test_the_block_section_pairs_every_method_with_eagle2_over_merged_runs(
         "| 0.22× |" in text
     )
     assert (
-        "| MT-bench (1) | eagle2_tree | 2.00 | 1.00 | 22.5 | 2.00× | 1.25× | 1 (reference) | 1 "
+        "| MT-bench turn 1 (1) | eagle2_tree | 2.00 | 1.00 | 22.5 | 2.00× | 1.25× | 1 (reference) | 1 "
         "| 1.0 / 10.0 | 1/1 | 1.00 | 1 (reference) | 1 | 1.00× |" in text
     )
     assert (
-        "| MT-bench (1) | hf_prompt_lookup | – | – | 18.0 | 1.60× | 1.00× | – | – | – / – | 1/1 "
+        "| MT-bench turn 1 (1) | hf_prompt_lookup | – | – | 18.0 | 1.60× | 1.00× | – | – | – / – | 1/1 "
         "| – | – | – | – |" in text
     )
     assert (
-        "| MT-bench (1) | eagle3_chain | 4.00 | 1.00 | 45.0 | 4.00× | 2.50× | 2.000 [2.000, 2.000] "
+        "| MT-bench turn 1 (1) | eagle3_chain | 4.00 | 1.00 | 45.0 | 4.00× | 2.50× | 2.000 [2.000, 2.000] "
         "| 2.000 [2.000, 2.000] | 1.0 / 10.0 | 1/1 | – | – | – | – |" in text  # absent at T=1: "–"
     )
     assert (
-        "Shapes: `eagle2_tree` {kind: dynamic, depth: 5, top_k: 6}, `dflash_chain` {kind: chain, depth: 7}."
+        "Shapes: `eagle2_tree` {kind: dynamic, depth: 5, top_k: 6}; `dflash_chain` {kind: chain, depth: 7}."
         in text
     )
     assert text.index("| eagle2 | eagle |") < text.index("| dflash | dflash |")  # as --training named them
@@ -425,4 +402,4 @@ def test_the_block_section_pairs_every_method_with_eagle2_over_merged_runs(
     (first / "report.json").unlink()  # the snapshot alone renders the same document
     assert results.render(snapshots) == text
     with pytest.raises(SystemExit, match="in another source too"):
-        results.block_entry([second, second], "eagle2_tree", {}, {})
+        results.comparison_entry([second, second], "eagle2_tree", {}, {})
