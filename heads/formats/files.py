@@ -24,6 +24,7 @@ from specdraft.system.files import write_dir_atomic
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+GGUF_FILE = "model.gguf"  # a llama.cpp export's weights (written by llama.cpp's converter; train/llamacpp.py)
 PROVENANCE_KEY = "specdraft"  # in foreign configs: which format/kind wrote them (engines ignore it)
 SHOWN_ENTRIES = 5  # how many of a refused destination's files its message names
 
@@ -54,11 +55,12 @@ def check_destination(out_dir: Path, overwrite: bool) -> None:
 
 
 def is_our_export_dir(path: Path) -> bool:
-    """Exactly ``config.json`` and ``model.safetensors``, as regular files, and a config that
-    specdraft wrote: the native format, or a foreign layout with our provenance key (engines
-    ignore it). An export by another trainer, or one with a file of the user's beside it, is not."""
+    """Exactly ``config.json`` and ``model.safetensors`` (or ``model.gguf``: a llama.cpp export),
+    as regular files, and a config that specdraft wrote: the native format, or a foreign layout
+    with our provenance key (engines ignore it). An export by another trainer, or one with a file
+    of the user's beside it, is not."""
     entries = {entry.name: entry for entry in path.iterdir()}
-    if set(entries) != {CONFIG_FILE, WEIGHTS_FILE}:
+    if set(entries) not in ({CONFIG_FILE, WEIGHTS_FILE}, {CONFIG_FILE, GGUF_FILE}):
         return False
     if any(entry.is_symlink() or not entry.is_file() for entry in entries.values()):
         return False
@@ -98,6 +100,11 @@ def read_export_dir(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, 
     """(config, tensors) of an export directory."""
     path = Path(path)
     config_path, weights_path = path / CONFIG_FILE, path / WEIGHTS_FILE
+    if (path / GGUF_FILE).is_file() and not weights_path.is_file():
+        raise FormatError(
+            f"{path}: a llama.cpp export ({GGUF_FILE}), which llama.cpp loads; specdraft reads the "
+            "checkpoint it was exported from (its config.json names it)"
+        )
     for file in (config_path, weights_path):
         if not file.is_file():
             raise FormatError(f"{path}: not an export directory (missing {file.name})")
