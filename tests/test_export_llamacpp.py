@@ -5,6 +5,7 @@ the export: tests/test_interop_llamacpp.py (``make interop-llamacpp``)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -51,6 +52,8 @@ def test_rotary_rows_are_paired_per_head():
 def test_export_reads_back_in_every_outtype(target, eagle3, tmp_path, outtype):
     out = write_gguf_export(tmp_path / "gguf", eagle3, target=target, converter=fake(), outtype=outtype)
     assert sorted(p.name for p in out.iterdir()) == [CONFIG_FILE, GGUF_FILE]
+    ours = json.loads((out / CONFIG_FILE).read_text())["specdraft"]
+    assert (ours["format"], ours["outtype"], ours["kind"]) == ("llamacpp", outtype, "eagle3")
 
 
 def test_a_full_vocabulary_head_has_no_maps(target, tmp_path):

@@ -138,6 +138,7 @@ def write_gguf_export(
         "format": LLAMACPP_FORMAT,
         "outtype": outtype,
         "converter": converter.version(),
+        "exported_from": dict(record.provenance or {}),  # the checkpoint specdraft reads the head from
     }
 
     def fill(staging: Path) -> None:
