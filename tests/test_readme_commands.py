@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from specdraft.heads.formats import detect_format, write_export
 from specdraft.recipes import depth_acceptance, sweep_report
 from specdraft.train.export import export
 from tests.test_export import save_checkpoint, trained_record
+from tests.test_export_llamacpp import FAKE_CONVERTER
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -132,9 +134,10 @@ def test_the_argparse_commands_start(name, capsys):
 EXPORTS = [c for c in WITH_ARGUMENTS if c[0] == "specdraft-export"]
 
 
-def stand_in(checkpoint: Path, tiny_target) -> None:
+def stand_in(checkpoint: Path, tiny_target, format: str) -> None:
     """A tiny-target head of the kind the README's ``checkpoint`` holds, at that path: a native
-    export for a committed head (its kind and config read from it), else a training run dir."""
+    export for a committed head (its kind and config read from it), else a training run dir (of
+    an EAGLE-3 head where the format holds only those)."""
     committed = ROOT / checkpoint
     if committed.is_dir():
         config = json.loads((committed / "config.json").read_text())
@@ -142,20 +145,29 @@ def stand_in(checkpoint: Path, tiny_target) -> None:
         record = trained_record(tiny_target, config["kind"], config["head_config"])
         write_export(checkpoint, record, "native", target_spec=tiny_target.spec)
     else:
-        save_checkpoint(
-            checkpoint / "checkpoints" / "last.ckpt",
-            trained_record(tiny_target, "eagle", {"fc_bias": False}),
+        kind, config = (
+            ("eagle3", {"draft_vocab_size": 100}) if format == "llamacpp" else ("eagle", {"fc_bias": False})
         )
+        save_checkpoint(checkpoint / "checkpoints" / "last.ckpt", trained_record(tiny_target, kind, config))
 
 
 @pytest.mark.parametrize("command", EXPORTS, ids=[" ".join(c[1:]) for c in EXPORTS])
 def test_the_readme_export_commands_run_on_the_tiny_target(command, tiny_target, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     arguments = dict(a.split("=", 1) for a in command[1:])
-    stand_in(Path(arguments["checkpoint"]), tiny_target)
-    out = export(compose_command("export", [*command[1:], "target=tiny_random", f"paths.log_dir={tmp_path}"]))
+    stand_in(Path(arguments["checkpoint"]), tiny_target, arguments["format"])
+    overrides = ["target=tiny_random", f"paths.log_dir={tmp_path}"]
+    if arguments["format"] == "llamacpp":  # llama.cpp's converter (make llamacpp) is not in this tier
+        overrides += [f"llamacpp.script={FAKE_CONVERTER}", f"llamacpp.python={sys.executable}"]
+    out = export(compose_command("export", [*command[1:], *overrides]))
     assert out.resolve() == (tmp_path / arguments["out"]).resolve()
-    assert detect_format(json.loads((out / "config.json").read_text())) == arguments["format"]
+    assert written_format(json.loads((out / "config.json").read_text())) == arguments["format"]
+
+
+def written_format(config: dict) -> str:
+    """The format specdraft says it wrote (a GGUF's config.json is the converter's vllm input)."""
+    ours = config.get("specdraft")
+    return ours["format"] if isinstance(ours, dict) and "format" in ours else detect_format(config)
 
 
 @pytest.mark.slow
