@@ -14,7 +14,7 @@ import torch
 from test_export import trained_record
 
 from specdraft.data.tiny import tiny_random_target
-from specdraft.heads.formats import FormatError
+from specdraft.heads.formats import FormatError, read_export
 from specdraft.heads.formats.files import CONFIG_FILE, GGUF_FILE
 from specdraft.train.llamacpp import (
     OUTTYPES,
@@ -107,3 +107,9 @@ def test_a_missing_converter_names_make_llamacpp(target, eagle3, tmp_path):
     missing = Converter(script=tmp_path / "convert_hf_to_gguf.py", python=Path(sys.executable))
     with pytest.raises(FormatError, match="make llamacpp"):
         write_gguf_export(tmp_path / "gguf", eagle3, target=target, converter=missing, outtype="f16")
+
+
+def test_reading_a_gguf_export_says_what_it_is(target, eagle3, tmp_path):
+    out = write_gguf_export(tmp_path / "gguf", eagle3, target=target, converter=fake(), outtype="f16")
+    with pytest.raises(FormatError, match=r"a llama\.cpp export \(model\.gguf\), which llama\.cpp loads"):
+        read_export(out, target.spec)
