@@ -103,6 +103,17 @@ def heads_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.getbasetemp() / "interop-heads"
 
 
+def first_turns(target) -> tuple[str, list[list[int]]]:
+    """The tier's prompts, as chat token ids: MT-bench first turns (one per category) when
+    Spec-Bench is there, else held-out ShareGPT; at most QUESTIONS of MAX_PROMPT_TOKENS or fewer."""
+    if SPEC_BENCH.is_file():
+        source, questions = "mt_bench", read_spec_bench(SPEC_BENCH)[:: 80 // QUESTIONS]
+    else:
+        source, questions = "sharegpt_heldout", sharegpt_heldout()
+    prompts = [chat_prompt(target, q.turns[0]) for q in questions]
+    return source, [ids for ids in prompts if len(ids) <= MAX_PROMPT_TOKENS][:QUESTIONS]
+
+
 def chat_prompt(target, text: str) -> list[int]:
     messages = [{"role": "user", "content": text}]
     return target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)[
@@ -126,12 +137,7 @@ def setup(tmp_path_factory):
         dtype="float32",  # fp32 on both sides: near-ties round alike, so outputs are comparable
     )
     serving = write_serving_target(target, work / "target")
-    if SPEC_BENCH.is_file():  # MT-bench first turns, spread over the 8 categories
-        source, questions = "mt_bench", read_spec_bench(SPEC_BENCH)[:: 80 // QUESTIONS]
-    else:
-        source, questions = "sharegpt_heldout", sharegpt_heldout()
-    prompts = [chat_prompt(target, q.turns[0]) for q in questions]
-    prompts = [ids for ids in prompts if len(ids) <= MAX_PROMPT_TOKENS][:QUESTIONS]
+    source, prompts = first_turns(target)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(torch.get_num_threads())}
     job = {"model": str(serving), "dtype": "float32", "max_model_len": 2048, "max_tokens": MAX_NEW_TOKENS}
     plain = run_engine(

@@ -32,10 +32,7 @@ from test_interop import (
     CACHE_DIR,
     LOG_DIR,
     MAX_NEW_TOKENS,
-    MAX_PROMPT_TOKENS,
-    QUESTIONS,
-    SPEC_BENCH,
-    chat_prompt,
+    first_turns,
     heads_dir,
     trained_head,
 )
@@ -43,7 +40,6 @@ from test_interop import (
 from specdraft.data.assets import find_package_file
 from specdraft.data.target import load_packaged_gguf_target
 from specdraft.eval.load import load_head
-from specdraft.eval.prompts import read_spec_bench, sharegpt_heldout
 from specdraft.train.export import export, resolve_checkpoint
 
 pytestmark = pytest.mark.interop
@@ -97,12 +93,7 @@ def setup(tmp_path_factory):
         cache_dir=CACHE_DIR,
         dtype="float32",
     )
-    if SPEC_BENCH.is_file():  # MT-bench first turns, spread over the 8 categories
-        source, questions = "mt_bench", read_spec_bench(SPEC_BENCH)[:: 80 // QUESTIONS]
-    else:
-        source, questions = "sharegpt_heldout", sharegpt_heldout()
-    prompts = [chat_prompt(target, q.turns[0]) for q in questions]
-    prompts = [ids for ids in prompts if len(ids) <= MAX_PROMPT_TOKENS][:QUESTIONS]
+    source, prompts = first_turns(target)
     job = {
         "model": str(find_package_file(TARGET_PACKAGE, TARGET_GGUF)),
         "threads": torch.get_num_threads(),
