@@ -21,7 +21,8 @@ comparisons, ablation and block: one or more interleaved runs, their records mer
 method against ``--reference`` by eval.report.paired_bootstrap per prompt set and temperature, and
 each head's training run from its summary.json); ``regen``: the
 reports ``specdraft-regen`` writes beside its outputs (data.regen.report_path);
-``train_speed``: a scripts/bench_train_step.py output. The sweep, recipe and evidence snapshots
+``train_speed``: a scripts/bench_train_step.py output; ``llamacpp``: a
+scripts/interop/bench_llamacpp.py output. The sweep, recipe and evidence snapshots
 are written by hand from ``specdraft-sweep-report`` / training summaries / the other sections.
 Each section's renderer: scripts/results_sections.py.
 """
@@ -196,15 +197,28 @@ def machine_line(machine: dict) -> str:
     )
 
 
+def llamacpp_machine_line(machine: dict) -> str:
+    """machine_line, and the ggml CPU features llama.cpp's build uses."""
+    features = [part.split(" = ")[0].strip() for part in machine["llamacpp"].removeprefix("CPU :").split("|")]
+    return f"{machine_line(machine)}; llama.cpp's kernels: {', '.join(f for f in features if f)}"
+
+
 def train_speed_entry(out: Path) -> dict:
     """Training tokens/s per variant from a scripts/bench_train_step.py output (``--out``)."""
     measured_run = json.loads(out.read_text())
     return {"train_tokens_per_s": {v: x["train_tokens_per_s"] for v, x in measured_run["variants"].items()}}
 
 
+def llamacpp_entry(out: Path) -> dict:
+    """A scripts/interop/bench_llamacpp.py run (its --out): settings, forward costs, methods."""
+    measured = json.loads((out / "llamacpp.json").read_text())
+    return {key: measured[key] for key in ("settings", "forward_ms", "methods")}
+
+
 RECORDERS = {  # record KIND -> (its sources -> the entry's numbers)
     "regen": regen_entry,
     "train_speed": lambda sources: train_speed_entry(Path(sources[0])),
+    "llamacpp": lambda sources: llamacpp_entry(Path(sources[0])),
 }
 
 
@@ -229,6 +243,8 @@ def record(args: argparse.Namespace) -> None:
     machine = args.machine
     if machine is None and args.kind == "bench":
         machine = machine_line(json.loads((source / "report.json").read_text())["machine"])
+    elif machine is None and args.kind == "llamacpp":
+        machine = llamacpp_machine_line(json.loads((source / "llamacpp.json").read_text())["machine"])
     entry["run"] = {
         "machine_class": args.machine_class,
         "name": args.name,
@@ -290,7 +306,7 @@ def main() -> None:
     recorder.add_argument("section", help="the snapshot: docs/results/<section>.json")
     sources = (
         f"bench: its output dir ({'/'.join(COMPARISONS)}: one or more); regen: LABEL:COMMIT:OUT_PATH …; "
-        "train_speed: bench_train_step.py's --out"
+        "train_speed: bench_train_step.py's --out; llamacpp: bench_llamacpp.py's --out"
     )
     recorder.add_argument("source", nargs="+", help=sources)
     for flag in ("--machine-class", "--command", "--conditions"):

@@ -308,6 +308,48 @@ def lookahead_section(snapshot: dict) -> list[str]:
     return [*lines, *table([*header, "identical to plain"], rows), snapshot["about"], ""]
 
 
+LLAMACPP_TITLE = "## Serving on a CPU: llama.cpp with our EAGLE-3 head (`scripts/interop/bench_llamacpp.py`)"
+
+
+def llamacpp_section(snapshot: dict) -> list[str]:
+    """llama.cpp plain / with our head / with its n-gram drafting, beside specdraft's decoder, and
+    the target's forward cost that explains the step."""
+    rows = [
+        [
+            name,
+            r["engine"],
+            fmt(r["tokens_per_s"], ".1f"),
+            fmt(r["x_llamacpp_plain"], ".2f", "×"),
+            fmt(r.get("tau")),
+            alphas(r.get("acceptance_per_position") or r.get("acceptance_per_depth")),
+            step_cell(r),
+            r["identical_to_plain"],
+        ]
+        for name, r in snapshot["methods"].items()
+    ]
+    header = ["method", "engine", "tok/s", "× llama.cpp plain", "τ", "α per position", "ms per step (draft)"]
+    costs = ", ".join(f"{k}: {ms:.1f}" for k, ms in snapshot["forward_ms"].items())
+    return [
+        LLAMACPP_TITLE,
+        "",
+        *run_lines(snapshot["run"]),
+        *table([*header, "identical to plain"], rows),
+        f"llama.cpp's forward of k new tokens through the target, ms (median; what verifying k − 1 drafts "
+        f"costs): {costs}.",
+        "",
+        snapshot["about"],
+        "",
+    ]
+
+
+def step_cell(r: dict) -> str:
+    """A decoding step's ms and, in parentheses, its drafting part."""
+    if "step_ms" in r:  # llama.cpp
+        return f"{r['step_ms']:.1f} ({r['draft_ms_per_step']:.1f})"
+    parts = [r.get(key) for key in ("draft_ms", "verify_ms", "bookkeeping_ms")]
+    return "–" if None in parts else f"{sum(parts):.1f} ({parts[0]:.1f})"
+
+
 # per drafting method at each batch size, besides its speed: the same at every B -> the closing
 # sentence, varying -> a column of its own
 BATCH_PER_METHOD = {"tau": "τ", "identical_to_plain": "identical to plain"}
@@ -443,6 +485,7 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "recipe": recipe_section,
     "lookahead": lookahead_section,
     "batch": batch_section,
+    "llamacpp": llamacpp_section,
     "train_speed": train_speed_section,
     "regen": regen_section,
 }
