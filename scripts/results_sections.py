@@ -323,11 +323,13 @@ def llamacpp_section(snapshot: dict) -> list[str]:
             fmt(r.get("tau")),
             alphas(r.get("acceptance_per_position") or r.get("acceptance_per_depth")),
             step_cell(r),
+            fmt(r.get("ceiling_x_llamacpp_plain"), ".2f", "×"),
             r["identical_to_plain"],
         ]
         for name, r in snapshot["methods"].items()
     ]
     header = ["method", "engine", "tok/s", "× llama.cpp plain", "τ", "α per position", "ms per step (draft)"]
+    header.append("× plain, every draft accepted")
     costs = ", ".join(f"{k}: {ms:.1f}" for k, ms in snapshot["forward_ms"].items())
     return [
         LLAMACPP_TITLE,

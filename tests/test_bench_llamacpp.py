@@ -75,13 +75,16 @@ def test_positions_no_draft_reached_are_left_off(bench) -> None:
 
 def test_speed_is_a_median_over_rounds_and_its_ratio_a_median_of_per_round_ratios(bench) -> None:
     methods = {
-        "llamacpp_plain": {"tokens_per_s_per_round": [100.0, 50.0, 80.0]},
-        "head": {"tokens_per_s_per_round": [110.0, 60.0, 40.0]},
+        "llamacpp_plain": {"tokens_per_s_per_round": [100.0, 50.0, 80.0], "step_ms": 8.0},
+        "head": {"tokens_per_s_per_round": [110.0, 60.0, 40.0], "step_ms": 20.0, "draft_length": 3},
     }
     summary = bench.summarize(methods)
     assert summary["head"]["tokens_per_s"] == 60.0
     assert summary["head"]["x_llamacpp_plain"] == pytest.approx(1.1)  # of 1.1, 1.2, 0.5
     assert summary["llamacpp_plain"]["x_llamacpp_plain"] == 1.0
+    # every draft accepted: 4 tokens per 20 ms step against 1 per 8 ms
+    assert summary["head"]["ceiling_x_llamacpp_plain"] == pytest.approx(4 * 8 / 20)
+    assert "ceiling_x_llamacpp_plain" not in summary["llamacpp_plain"]
 
 
 def test_a_bench_output_is_recorded_and_rendered_with_its_forward_costs(results, tmp_path) -> None:
@@ -122,9 +125,9 @@ def test_a_bench_output_is_recorded_and_rendered_with_its_forward_costs(results,
     assert machine.endswith("llama.cpp's kernels: SSE3, AVX2, F16C")
     run = {"machine": machine, "command": "bench_llamacpp.py", "conditions": "alone"}
     lines = results.sections.llamacpp_section({"about": "Why.", **entry, "run": run})
-    assert "| llamacpp_plain | llama.cpp | 120.5 | 1.00× | 1.00 | – | 7.1 (0.0) | 8/8 |" in lines
+    assert "| llamacpp_plain | llama.cpp | 120.5 | 1.00× | 1.00 | – | 7.1 (0.0) | – | 8/8 |" in lines
     assert (
-        "| specdraft_head | specdraft (PyTorch) | 120.5 | 1.00× | 1.90 | 0.60 / 0.40 | 35.0 (4.0) | 8/8 |"
+        "| specdraft_head | specdraft (PyTorch) | 120.5 | 1.00× | 1.90 | 0.60 / 0.40 | 35.0 (4.0) | – | 8/8 |"
         in lines
     )
     assert any(line.endswith("costs): 1: 8.4, 2: 14.0.") for line in lines)

@@ -3,16 +3,17 @@
 decoding and n-gram drafting, and against specdraft's PyTorch decoder, in ONE interleaved run on
 this machine:
 
-    python scripts/interop/bench_llamacpp.py --gguf exports/mine-gguf/model.gguf \\
+    python scripts/interop/bench_llamacpp.py --gguf exports/mine-gguf exports/mine-gguf-q8 \\
         --torch-head assets/heads/smollm2-135m-eagle-mix --out outputs/bench/llamacpp
 
 Each round runs every method over the same MT-bench first turns (greedy, the same chat-templated
-token ids for both engines): llama.cpp plain, llama.cpp + the head at each draft length, llama.cpp's
-n-gram drafting (``ngram-simple``) at each setting, then ``specdraft-bench`` (plain + the PyTorch
-head). Rounds alternate so that the machine's drift falls on every method alike; a method's
-tokens/s is its median over rounds. Also measured, to explain the step: llama.cpp's forward of k
-new tokens through the target (what a verification costs), and the head's drafting time per step
-(llama.cpp's own statistics, logged at trace level).
+token ids for both engines): llama.cpp plain; llama.cpp + the head at each draft length, for each
+GGUF export given (its weight type names it); llama.cpp's n-gram drafting (``ngram-simple``) at
+each setting; ``specdraft-bench`` (plain + the PyTorch head). Rounds alternate the order so that
+the machine's drift falls on every method alike; a method's tokens/s is its median over rounds.
+Also measured, to explain the step: llama.cpp's forward of k new tokens through the target (what
+a verification costs), and the head's drafting time per step (llama.cpp's own statistics, logged
+at trace level).
 
 Writes OUT/llamacpp.json ({machine, settings, forward_ms, methods}), atomically; re-running
 resumes: a method's round that has its result is not run again.
@@ -57,7 +58,7 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--gguf", type=Path, required=True, help="specdraft-export format=llamacpp's model.gguf"
+        "--gguf", type=Path, nargs="+", required=True, help="specdraft-export format=llamacpp's out dirs"
     )
     parser.add_argument(
         "--torch-head", required=True, help="the head specdraft's decoder runs (checkpoint/export)"
@@ -95,11 +96,24 @@ def first_turns(args: argparse.Namespace) -> tuple[list[str], list[list[int]]]:
 def llamacpp_methods(args: argparse.Namespace) -> dict[str, dict]:
     """Each llama.cpp method's job settings (llamacpp_generate.py), plain first."""
     methods: dict[str, dict] = {"llamacpp_plain": {"speculative": "none"}}
-    for n in args.draft_lengths:
-        methods[f"llamacpp_eagle3_n{n}"] = {"speculative": "eagle3", "draft": str(args.gguf), "n_max": n}
+    for outtype, export in exports(args).items():
+        for n in args.draft_lengths:
+            draft = str(export / "model.gguf")
+            methods[f"llamacpp_eagle3_{outtype}_n{n}"] = {"speculative": "eagle3", "draft": draft, "n_max": n}
     for name, ngram in NGRAM_SETTINGS.items():
         methods[f"llamacpp_{name}"] = {"speculative": "ngram", "ngram": ngram}
     return methods
+
+
+def exports(args: argparse.Namespace) -> dict[str, Path]:
+    """--gguf's export dirs by their weight type (what specdraft-export recorded in config.json)."""
+    found = {}
+    for export in args.gguf:
+        config = export / "config.json"
+        if not (export / "model.gguf").is_file() or not config.is_file():
+            sys.exit(f"--gguf {export}: not a directory specdraft-export format=llamacpp wrote")
+        found[json.loads(config.read_text())["specdraft"]["outtype"]] = export
+    return found
 
 
 def run_llamacpp(args: argparse.Namespace, job: dict, path: Path) -> dict:
@@ -203,12 +217,16 @@ def torch_metrics(rounds: list[list[dict]], method: str) -> dict:
 
 def summarize(methods: dict[str, dict], reference: str = "llamacpp_plain") -> dict[str, dict]:
     """Each method's median tokens/s over the rounds and its × llama.cpp plain (the median of the
-    per-round ratios: the drift between rounds cancels)."""
+    per-round ratios: the drift between rounds cancels); for a draft length n, the ceiling of its
+    decoding speed, had every draft been accepted: (n + 1) × plain's ms per step ÷ its own."""
     base = methods[reference]["tokens_per_s_per_round"]
     for entry in methods.values():
         rates = entry["tokens_per_s_per_round"]
         entry["tokens_per_s"] = statistics.median(rates)
         entry["x_llamacpp_plain"] = statistics.median(rate / b for rate, b in zip(rates, base, strict=True))
+        if "draft_length" in entry:
+            step_ratio = methods[reference]["step_ms"] / entry["step_ms"]
+            entry["ceiling_x_llamacpp_plain"] = (entry["draft_length"] + 1) * step_ratio
     return methods
 
 
@@ -226,8 +244,6 @@ def cached(args: argparse.Namespace, job: dict, path: Path) -> dict:
 
 def main() -> None:
     args = parse_args()
-    if not args.gguf.is_file():
-        sys.exit(f"--gguf {args.gguf}: no such file (specdraft-export format=llamacpp writes it)")
     if not args.llamacpp_python.is_file():
         sys.exit(f"{args.llamacpp_python}: no llama.cpp venv (make llamacpp builds it)")
     ids, prompts = first_turns(args)
@@ -261,9 +277,11 @@ def main() -> None:
             )
         )
     results = {name: llamacpp_metrics(runs[name], runs["llamacpp_plain"]) for name in methods}
+    for name, settings in methods.items():
+        if "n_max" in settings:
+            results[name]["draft_length"] = settings["n_max"]
     results["specdraft_plain"] = torch_metrics(torch_rounds, "plain")
     results["specdraft_head"] = torch_metrics(torch_rounds, "head")
-    config = json.loads((args.gguf.parent / "config.json").read_text())
     summary = {
         "machine": {**machine_info(), "llamacpp": llamacpp_system_info(args)},
         "settings": {
@@ -271,8 +289,7 @@ def main() -> None:
             "max_new_tokens": args.max_new_tokens,
             "rounds": args.rounds,
             "threads": args.threads,
-            "gguf": str(args.gguf),
-            "gguf_outtype": config.get("specdraft", {}).get("outtype"),
+            "gguf": {outtype: str(export) for outtype, export in exports(args).items()},
             "torch_head": args.torch_head,
             "ngram": NGRAM_SETTINGS,
         },
