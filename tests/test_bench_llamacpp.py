@@ -166,3 +166,12 @@ def test_the_head_s_weight_types_share_a_row_per_draft_length(results) -> None:
         "| eagle3 n=2 (f16 / q8_0) | llama.cpp | 50.0 / 48.0 | 0.50× / 0.48× | 1.50 / 1.50 | 0.30 / 0.20 "
         "| 25.0 (2.0) / 26.0 (2.0) | 1.10× / 1.10× | 8/8 / 8/8 |"
     )
+
+
+def test_a_resumed_run_reuses_a_result_of_the_same_job_only(bench, tmp_path) -> None:
+    path = tmp_path / "llamacpp_plain.json"
+    path.write_text(json.dumps({"outputs": [[1]]}))
+    path.with_suffix(".job.json").write_text(json.dumps({"speculative": "none", "max_tokens": 8}))
+    assert bench.cached(None, {"speculative": "none", "max_tokens": 8}, path) == {"outputs": [[1]]}
+    with pytest.raises(SystemExit, match="the result of other settings"):
+        bench.cached(None, {"speculative": "none", "max_tokens": 16}, path)

