@@ -11,6 +11,8 @@ snapshots in docs/results/ (committed, so any clone re-renders it byte for byte)
   python scripts/results.py record bench ablation outputs/bench/ablation [outputs/bench/ablation_t1 …] \\
       --reference eagle2 --training eagle2=outputs/train/eagle2/summary.json … \\
       --settings eagle2="…" … --machine-class "…" --command "…" --commit abc1234 --conditions "…"
+  python scripts/results.py record llamacpp llamacpp outputs/bench/llamacpp --machine-class "…" \\
+      --command "python scripts/interop/bench_llamacpp.py …" --commit abc1234 --conditions "…"
 
 A snapshot holds the numbers its section shows AND how they were obtained, as data: ``run`` =
 {machine, command, commit, prompts, conditions}. Sections with several machine classes
