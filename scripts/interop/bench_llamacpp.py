@@ -92,10 +92,11 @@ def first_turns(args: argparse.Namespace) -> tuple[list[str], list[list[int]]]:
     return [q.id for q in questions], [first_turn_ids(target, q).tolist() for q in questions]
 
 
-def llamacpp_methods(args: argparse.Namespace) -> dict[str, dict]:
-    """Each llama.cpp method's job settings (llamacpp_generate.py), plain first."""
+def llamacpp_methods(args: argparse.Namespace, drafts: dict[str, Path]) -> dict[str, dict]:
+    """Each llama.cpp method's job settings (llamacpp_generate.py), plain first; ``drafts``: the
+    head's GGUF exports by weight type (:func:`exports`)."""
     methods: dict[str, dict] = {"llamacpp_plain": {"speculative": "none"}}
-    for outtype, export in exports(args).items():
+    for outtype, export in drafts.items():
         for n in args.draft_lengths:
             draft = str(export / "model.gguf")
             methods[f"llamacpp_eagle3_{outtype}_n{n}"] = {"speculative": "eagle3", "draft": draft, "n_max": n}
@@ -254,6 +255,7 @@ def main() -> None:
     args = parse_args()
     if not args.llamacpp_python.is_file():
         sys.exit(f"{args.llamacpp_python}: no llama.cpp venv (make llamacpp builds it)")
+    drafts = exports(args)  # checked before the target loads
     ids, prompts = first_turns(args)
     base = {
         "model": str(find_package_file(TARGET_PACKAGE, TARGET_GGUF)),
@@ -263,7 +265,7 @@ def main() -> None:
         "prompts": prompts,
         "trace": True,
     }
-    methods = llamacpp_methods(args)
+    methods = llamacpp_methods(args, drafts)
     runs: dict[str, list[dict]] = {name: [] for name in methods}
     forward, torch_rounds = [], []
     for r in range(args.rounds):
@@ -297,7 +299,7 @@ def main() -> None:
             "max_new_tokens": args.max_new_tokens,
             "rounds": args.rounds,
             "threads": args.threads,
-            "gguf": {outtype: str(export) for outtype, export in exports(args).items()},
+            "gguf": {outtype: str(export) for outtype, export in drafts.items()},
             "torch_head": args.torch_head,
             "ngram": NGRAM_SETTINGS,
         },
