@@ -33,10 +33,12 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 def run_lines(run: dict) -> list[str]:
     """How an entry was measured: machine, command and commit, prompts, conditions."""
     commit = f" at commit {run['commit']}" if run.get("commit") else ""
-    lines = [f"- {run['machine']}: `{run['command']}`{commit}"]
-    if run.get("prompts"):
-        lines.append(f"- prompts: {run['prompts']}")
-    return [*lines, f"- conditions: {run['conditions']}", ""]
+    prompts = f"; prompts: {run['prompts']}" if run.get("prompts") else ""
+    return [
+        f"- {run['machine']}: `{run['command']}`{commit}{prompts}",
+        f"- conditions: {run['conditions']}",
+        "",
+    ]
 
 
 def quickstart_section(snapshot: dict) -> list[str]:
@@ -313,12 +315,12 @@ LLAMACPP_TITLE = "## Serving on a CPU: llama.cpp with our EAGLE-3 head (`scripts
 
 def llamacpp_section(snapshot: dict) -> list[str]:
     """llama.cpp plain / with our head / with its n-gram drafting, beside specdraft's decoder, and
-    the target's forward cost that explains the step. The head's GGUF weight types share a row per
-    draft length (their cells "f16 / q8_0")."""
+    the target's forward cost that explains the step. Variants of one method share a row
+    (:func:`llamacpp_family`), their cells joined by " / " (α per position by "; ")."""
     rows: dict[str, list[tuple[str, dict]]] = {}
     for name, r in sorted(snapshot["methods"].items(), key=lambda item: llamacpp_order(*item)):
-        draft_length = r.get("draft_length")
-        rows.setdefault(f"eagle3 n={draft_length}" if draft_length else name, []).append((name, r))
+        family, variant = llamacpp_family(name, r)
+        rows.setdefault(family, []).append((variant, r))
     header = ["method", "engine", "tok/s", "× llama.cpp plain", "τ", "α per position", "ms per step (draft)"]
     header += ["× plain, every draft accepted", "identical to plain"]
     costs = ", ".join(f"{k}: {ms:.1f}" for k, ms in snapshot["forward_ms"].items())
@@ -326,7 +328,7 @@ def llamacpp_section(snapshot: dict) -> list[str]:
         LLAMACPP_TITLE,
         "",
         *run_lines(snapshot["run"]),
-        *table(header, [llamacpp_row(label, group) for label, group in rows.items()]),
+        *table(header, [llamacpp_row(family, group) for family, group in rows.items()]),
         f"llama.cpp's forward of k new tokens through the target, ms (median; about what verifying k − 1 "
         f"drafts costs): {costs}. {snapshot['about']}",
         "",
@@ -338,26 +340,39 @@ def llamacpp_order(name: str, r: dict) -> tuple:
     return (r["engine"] != "llama.cpp", "plain" not in name, r.get("draft_length") or 0, name)
 
 
+def llamacpp_family(name: str, r: dict) -> tuple[str, str]:
+    """(the row a method shares, its variant there): the head's GGUF weight types per draft
+    length, llama.cpp's n-gram settings, specdraft's plain decoding and head."""
+    if r.get("draft_length"):
+        return f"eagle3 n={r['draft_length']}", name.removeprefix("llamacpp_eagle3_").rsplit("_n", 1)[0]
+    for family in ("llamacpp_ngram", "specdraft"):
+        if name.startswith(family + "_"):
+            return family, name.removeprefix(family + "_")
+    return name, ""
+
+
 MAX_ALPHAS = 6  # n-gram drafts reach 48 positions: the first few say enough
 
 
-def llamacpp_row(label: str, group: list[tuple[str, dict]]) -> list[str]:
-    """One row; a group of GGUF weight types joins its cells with " / "."""
+def llamacpp_row(family: str, group: list[tuple[str, dict]]) -> list[str]:
+    """One row: a family names its variants and joins their cells."""
 
-    def each(cell) -> str:
-        return " / ".join(cell(r) for _, r in group)
+    def each(cell, separator: str = " / ") -> str:
+        return separator.join(cell(r) for _, r in group)
 
-    first = group[0][1]
-    weight_types = [name.removeprefix("llamacpp_eagle3_").rsplit("_n", 1)[0] for name, _ in group]
-    types = f" ({' / '.join(weight_types)})" if len(group) > 1 else ""
-    rates = first.get("acceptance_per_position") or first.get("acceptance_per_depth") or []
+    def alpha_cell(r: dict) -> str:
+        rates = r.get("acceptance_per_position") or r.get("acceptance_per_depth") or []
+        return alphas(rates[:MAX_ALPHAS]) + (" …" if len(rates) > MAX_ALPHAS else "")
+
+    named = [variant for variant, _ in group if variant]
+    variants = f" ({' / '.join(named)})" if named else ""
     return [
-        label + types,
-        first["engine"],
+        family + variants,
+        group[0][1]["engine"],
         each(lambda r: fmt(r["tokens_per_s"], ".1f")),
         each(lambda r: fmt(r["x_llamacpp_plain"], ".2f", "×")),
         each(lambda r: fmt(r.get("tau"))),
-        alphas(rates[:MAX_ALPHAS]) + (" …" if len(rates) > MAX_ALPHAS else ""),
+        each(alpha_cell, "; "),
         each(step_cell),
         each(lambda r: fmt(r.get("ceiling_x_llamacpp_plain"), ".2f", "×")),
         each(lambda r: r["identical_to_plain"]),

@@ -127,13 +127,13 @@ def test_a_bench_output_is_recorded_and_rendered_with_its_forward_costs(results,
     lines = results.sections.llamacpp_section({"about": "Why.", **entry, "run": run})
     assert "| llamacpp_plain | llama.cpp | 120.5 | 1.00× | 1.00 | – | 7.1 (0.0) | – | 8/8 |" in lines
     assert (
-        "| specdraft_head | specdraft (PyTorch) | 120.5 | 1.00× | 1.90 | 0.60 / 0.40 | 35.0 (4.0) | – | 8/8 |"
-        in lines
+        "| specdraft (head) | specdraft (PyTorch) | 120.5 | 1.00× | 1.90 | 0.60 / 0.40 | 35.0 (4.0) | – "
+        "| 8/8 |" in lines
     )
     assert any("costs): 1: 8.4, 2: 14.0. Why." in line for line in lines)
 
 
-def test_the_head_s_weight_types_share_a_row_per_draft_length(results) -> None:
+def test_variants_of_one_method_share_a_row(results) -> None:
     def drafted(rate: float, step_ms: float) -> dict:
         return {
             "engine": "llama.cpp",
@@ -163,7 +163,8 @@ def test_the_head_s_weight_types_share_a_row_per_draft_length(results) -> None:
     rows = [line for line in results.sections.llamacpp_section(snapshot) if line.startswith("| ")]
     assert rows[1].startswith("| llamacpp_plain |")  # plain first, whatever the snapshot's order
     assert rows[2] == (
-        "| eagle3 n=2 (f16 / q8_0) | llama.cpp | 50.0 / 48.0 | 0.50× / 0.48× | 1.50 / 1.50 | 0.30 / 0.20 "
+        "| eagle3 n=2 (f16 / q8_0) | llama.cpp | 50.0 / 48.0 | 0.50× / 0.48× | 1.50 / 1.50 "
+        "| 0.30 / 0.20; 0.30 / 0.20 "
         "| 25.0 (2.0) / 26.0 (2.0) | 1.10× / 1.10× | 8/8 / 8/8 |"
     )
 
