@@ -1,14 +1,19 @@
-"""A stand-in for llama.cpp's ``convert_hf_to_gguf.py`` on an EAGLE-3 draft, for the tests of
-``specdraft-export format=llamacpp`` where the real converter (``make llamacpp``) is absent.
+"""A stand-in for llama.cpp's ``convert_hf_to_gguf.py`` on an EAGLE-3 or a DFlash draft, for the
+tests of ``specdraft-export format=llamacpp`` where the real converter (``make llamacpp``) is absent.
 
     python llamacpp_fake_converter.py DRAFT_DIR --target-model-dir DIR --outtype T --outfile OUT
 
-It writes what the pinned converter writes (conversion/llama.py of llama-cpp-python 0.3.36's
-llama.cpp: names, q/k rows regrouped for GGML's rotary pairs, 1-D tensors in f32, ``d2t`` offsets
-as absolute int64 ids, ``t2d`` dropped; ``eagle3.*`` metadata from both configs), written here
-from that description with numpy, not with specdraft's code. ``FAKE_CONVERTER_MISTAKE`` makes it
-err the way a converter of another version could: ``no_permute``, ``taps``, ``drop_norm``,
-``fail`` (exit 1 without a file).
+It writes what the pinned converter writes (llama-cpp-python 0.3.36's llama.cpp), written here from
+that description with numpy, not with specdraft's code:
+* EAGLE-3 (conversion/llama.py): names, q/k rows regrouped for GGML's rotary pairs, 1-D tensors in
+  f32, ``d2t`` offsets as absolute int64 ids, ``t2d`` dropped; ``eagle3.*`` metadata from both configs;
+* DFlash (conversion/qwen.py ``DFlashModel``, a ``DFlashDraftModel`` config): Qwen3 names per layer
+  (``blk.i.*``), q/k rows as they are (NEOX rotary), ``dflash.*`` metadata with the target layers
+  + 1, the mask token as ``tokenizer.ggml.mask_token_id``; it needs the target config's
+  ``architectures`` (to pick the tokenizer code).
+``FAKE_CONVERTER_MISTAKE`` makes it err the way a converter of another version could:
+``no_permute`` (EAGLE-3), ``taps``, ``drop_norm``, ``causal`` (DFlash), ``fail`` (exit 1 without
+a file).
 """
 
 import argparse
@@ -36,6 +41,24 @@ NAMES = {
     "norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
+DFLASH_NAMES = {
+    "fc.weight": "fc.weight",
+    "hidden_norm.weight": "enc.output_norm.weight",
+    "norm.weight": "output_norm.weight",
+}
+DFLASH_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 TYPES = {
     "f32": gguf.GGMLQuantizationType.F32,
     "f16": gguf.GGMLQuantizationType.F16,
@@ -55,6 +78,37 @@ def regroup(w: np.ndarray, heads: int) -> np.ndarray:
     return out
 
 
+def add_matrix(writer, name: str, value: np.ndarray, outtype: str) -> None:
+    kind = TYPES[outtype] if value.ndim > 1 else TYPES["f32"]
+    data = value if kind == TYPES["f32"] else gguf.quants.quantize(value, kind)
+    writer.add_tensor(name, data, raw_dtype=kind)
+
+
+def write_dflash(args, config: dict, target: dict, tensors: dict, mistake: str) -> None:
+    assert target.get("architectures"), "DFlash: failed to detect the target's model architecture"
+    dflash = config["dflash_config"]
+    writer = gguf.GGUFWriter(args.outfile, "dflash")
+    writer.add_uint32("dflash.block_count", config["num_hidden_layers"])
+    writer.add_uint32("dflash.block_size", config["block_size"])
+    layers = [i + 1 for i in dflash["target_layer_ids"]]
+    writer.add_array("dflash.target_layers", layers[::-1] if mistake == "taps" else layers)
+    writer.add_bool("dflash.attention.causal", mistake == "causal" or bool(dflash.get("causal")))
+    writer.add_uint32("tokenizer.ggml.mask_token_id", dflash["mask_token_id"])
+    for name, value in tensors.items():
+        if mistake == "drop_norm" and name == "norm.weight":
+            continue
+        if name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            gguf_name = f"blk.{index}.{DFLASH_LAYER_NAMES[rest.removesuffix('.weight')]}.weight"
+        else:
+            gguf_name = DFLASH_NAMES[name]
+        add_matrix(writer, gguf_name, value.astype(np.float32), args.outtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model", type=Path)
@@ -69,6 +123,9 @@ def main() -> None:
     target = json.loads((args.target_model_dir / "config.json").read_text())
     assert (args.target_model_dir / "tokenizer_config.json").is_file(), "no tokenizer in the target dir"
     tensors = load_file(args.model / "model.safetensors")
+    if "DFlashDraftModel" in config.get("architectures", []):
+        write_dflash(args, config, target, tensors, mistake)
+        return
     writer = gguf.GGUFWriter(args.outfile, "eagle3")
     writer.add_uint32("eagle3.block_count", config["num_hidden_layers"])
     taps = config.get("eagle_aux_hidden_state_layer_ids") or [2, target["num_hidden_layers"] // 2, 0]
@@ -86,9 +143,7 @@ def main() -> None:
             value = regroup(value, config["num_attention_heads"])
         elif mistake != "no_permute" and name.endswith("k_proj.weight"):
             value = regroup(value, config["num_key_value_heads"])
-        kind = TYPES[args.outtype] if value.ndim > 1 else TYPES["f32"]
-        data = value if kind == TYPES["f32"] else gguf.quants.quantize(value, kind)
-        writer.add_tensor(NAMES[name], data, raw_dtype=kind)
+        add_matrix(writer, NAMES[name], value, args.outtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

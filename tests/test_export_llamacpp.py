@@ -1,7 +1,7 @@
 """``specdraft-export format=llamacpp`` without llama.cpp: the refusals, the rotary regrouping, and
-the read-back of the converter's GGUF against the head (with a stand-in converter that writes what
-the pinned one writes, and errs on request). The real converter and llama.cpp's own decoding of
-the export: tests/test_interop_llamacpp.py (``make interop-llamacpp``)."""
+the read-back of the converter's GGUF against the head, EAGLE-3 and DFlash (with a stand-in
+converter that writes what the pinned one writes, and errs on request). The real converter and
+llama.cpp's own decoding of the export: tests/test_interop_llamacpp.py (``make interop-llamacpp``)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from specdraft.train.llamacpp import (
     OUTTYPES,
     Converter,
     check_servable,
+    expected_gguf,
     interleave_rotary_rows,
     write_gguf_export,
 )
@@ -35,6 +36,14 @@ def target():
 @pytest.fixture(scope="module")
 def eagle3(target):
     return trained_record(target, "eagle3", {"draft_vocab_size": 100})
+
+
+@pytest.fixture(scope="module")
+def dflash(target):
+    return trained_record(target, "dflash", DFLASH_CONFIG)
+
+
+DFLASH_CONFIG = {"num_layers": 2, "block_size": 4, "mask_token_id": 7, "anchor_fraction": 0.5}
 
 
 def fake() -> Converter:
@@ -54,6 +63,35 @@ def test_export_reads_back_in_every_outtype(target, eagle3, tmp_path, outtype):
     assert sorted(p.name for p in out.iterdir()) == [CONFIG_FILE, GGUF_FILE]
     ours = json.loads((out / CONFIG_FILE).read_text())["specdraft"]
     assert (ours["format"], ours["outtype"], ours["kind"]) == ("llamacpp", outtype, "eagle3")
+
+
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+def test_a_dflash_export_reads_back(target, dflash, tmp_path, outtype):
+    out = write_gguf_export(tmp_path / "gguf", dflash, target=target, converter=fake(), outtype=outtype)
+    ours = json.loads((out / CONFIG_FILE).read_text())["specdraft"]
+    assert (ours["format"], ours["outtype"], ours["kind"]) == ("llamacpp", outtype, "dflash")
+
+
+@pytest.mark.parametrize(
+    ("mistake", "names"),
+    [
+        ("taps", "dflash.target_layers"),
+        ("causal", "dflash.attention.causal is True, expected False"),
+        ("drop_norm", "output_norm.weight"),
+    ],
+)
+def test_a_dflash_gguf_that_differs_writes_nothing(target, dflash, tmp_path, monkeypatch, mistake, names):
+    monkeypatch.setenv("FAKE_CONVERTER_MISTAKE", mistake)
+    with pytest.raises(FormatError, match=names):
+        write_gguf_export(tmp_path / "gguf", dflash, target=target, converter=fake(), outtype="f16")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_expected_dflash_names_are_llamacpps(dflash):
+    names = expected_gguf(dict(dflash.state), dflash, "f32")
+    fusion_and_norms = {"fc.weight", "enc.output_norm.weight", "output_norm.weight"}
+    assert fusion_and_norms | {"blk.1.attn_q_norm.weight", "blk.0.ffn_down.weight"} <= set(names)
+    assert not any(name.startswith("layers.") for name in names)
 
 
 def test_a_full_vocabulary_head_has_no_maps(target, tmp_path):
@@ -85,14 +123,13 @@ def test_an_existing_export_is_replaced_only_with_overwrite(target, eagle3, tmp_
     write_gguf_export(out, eagle3, target=target, converter=fake(), outtype="q8_0", overwrite=True)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa", "dflash"])
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_kinds_llamacpp_does_not_serve_are_refused(target, kind):
     config = {
         "eagle": {"fc_bias": False},
         "medusa": {"num_heads": 2, "num_layers": 1, "own_lm_head": False},
-        "dflash": {"num_layers": 1, "block_size": 4, "mask_token_id": 7, "anchor_fraction": 0.5},
     }[kind]
-    with pytest.raises(FormatError, match=f"format=llamacpp exports eagle3 heads, not '{kind}'"):
+    with pytest.raises(FormatError, match=f"format=llamacpp exports eagle3/dflash heads, not '{kind}'"):
         check_servable(trained_record(target, kind, config))
 
 

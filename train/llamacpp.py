@@ -1,33 +1,42 @@
-"""``specdraft-export format=llamacpp``: an EAGLE-3 head as the GGUF llama.cpp's speculative
-decoding loads (``--spec-type draft-eagle3``; model type ``eagle3``).
+"""``specdraft-export format=llamacpp``: an EAGLE-3 or DFlash head as the GGUF llama.cpp's speculative
+decoding loads (``--spec-type draft-eagle3`` / ``draft-dflash``; GGUF architecture ``eagle3`` /
+``dflash``).
 
 The GGUF layout (tensor names, the rotary permutation of q/k, the metadata keys) belongs to
 llama.cpp, so llama.cpp's own converter writes it, fetched pinned by ``make llamacpp`` and run in a
 Python that has its packages (``conf/export.yaml`` ``llamacpp``). This module:
 
-1. refuses what llama.cpp cannot serve, in one line: a head kind other than EAGLE-3, a head that
-   does not fuse exactly three target layers, a missing converter;
-2. writes the head in the vLLM layout (:mod:`specdraft.heads.formats`) and the target's HF config
-   and tokenizer (the converter copies the vocabulary from them) into a scratch directory;
+1. refuses what llama.cpp cannot serve, in one line: a head kind other than EAGLE-3 and DFlash, an
+   EAGLE-3 head that does not fuse exactly three target layers, a missing converter;
+2. writes the head in the layout the converter reads (:mod:`specdraft.heads.formats`: vLLM's for
+   EAGLE-3, z-lab's for DFlash) and the target's HF config and tokenizer (the converter copies the
+   vocabulary from them, and reads the target's architecture to pick its tokenizer code) into a
+   scratch directory;
 3. runs the converter into the staging directory of ``out``;
 4. reads the GGUF back and compares every tensor with the head's as the converter must have
-   written it (q/k permuted, norms in f32, ``d2t`` as absolute target ids, the other weights in
-   ``outtype``) bit for bit, and the taps, width and architecture in its metadata;
+   written it (EAGLE-3's q/k permuted, norms in f32, ``d2t`` as absolute target ids, the other
+   weights in ``outtype``) bit for bit, and the metadata llama.cpp's drafting reads (taps, width,
+   layers; DFlash's block size, mask token and non-causal block attention);
 5. only then moves ``out`` (``model.gguf`` + ``config.json``, our provenance) into place.
 
 Taps need no conversion: llama.cpp captures each target layer's INPUT (``t_layer_inp[i]``, the
-residual stream entering layer i), specdraft's ``aux_layer_ids`` convention, and the converter
-copies ``eagle_aux_hidden_state_layer_ids`` as they are. The draft borrows the target's token
-embedding (the export has none), as in training.
+residual stream entering layer i), specdraft's ``aux_layer_ids`` convention (the converter copies
+EAGLE-3's ``eagle_aux_hidden_state_layer_ids`` as they are and adds 1 to z-lab's DFlash ids, which
+name layer outputs). Neither draft carries an embedding: both borrow the target's, and a
+full-vocabulary draft its lm_head too, as in training.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import re
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -47,10 +56,8 @@ from specdraft.heads.formats.files import (
 from specdraft.system.files import write_dir_atomic
 
 LLAMACPP_FORMAT = "llamacpp"
-SERVED_KINDS = ("eagle3",)  # llama.cpp serves EAGLE-3 and DFlash drafts; its DFlash GGUF is not written yet
-LLAMACPP_TAPS = 3  # llama.cpp's EAGLE-3 graph reads exactly three target layers
+LLAMACPP_EAGLE3_TAPS = 3  # llama.cpp's EAGLE-3 graph reads exactly three target layers
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # the converter's --outtype choices for a draft's matrices
-GGUF_ARCHITECTURE = "eagle3"
 FETCHED_MARKER = "FETCHED"  # scripts/interop/fetch_llamacpp.py writes it last: the pinned version
 CONVERTER_TAIL_LINES = 5  # of a failed converter's output, in the error
 QUANT_TYPES = {
@@ -59,8 +66,8 @@ QUANT_TYPES = {
     "bf16": gguf.GGMLQuantizationType.BF16,
     "q8_0": gguf.GGMLQuantizationType.Q8_0,
 }
-# The vLLM layout's names → llama.cpp's (blk.0 is the draft's one layer).
-GGUF_NAMES = {
+# The vLLM EAGLE-3 layout's names → llama.cpp's (blk.0 is the draft's one layer).
+EAGLE3_NAMES = {
     "fc.weight": "fc.weight",
     "midlayer.input_layernorm.weight": "blk.0.attn_norm.weight",
     "midlayer.hidden_norm.weight": "blk.0.attn_norm_2.weight",
@@ -76,7 +83,93 @@ GGUF_NAMES = {
     "lm_head.weight": "output.weight",
     "d2t": "d2t",
 }
-DROPPED = ("t2d",)  # the target → draft map: llama.cpp scatters draft logits through d2t alone
+# z-lab's DFlash layout → llama.cpp's: the fusion's names, and each draft layer's (layers.i → blk.i).
+DFLASH_NAMES = {
+    "fc.weight": "fc.weight",
+    "hidden_norm.weight": "enc.output_norm.weight",
+    "norm.weight": "output_norm.weight",
+}
+DFLASH_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+DFLASH_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+MASK_TOKEN_KEY = "tokenizer.ggml.mask_token_id"  # where llama.cpp's DFlash reads its mask token
+
+
+def eagle3_gguf_name(name: str) -> str | None:
+    return EAGLE3_NAMES.get(name)
+
+
+def dflash_gguf_name(name: str) -> str | None:
+    if name in DFLASH_NAMES:
+        return DFLASH_NAMES[name]
+    layer = DFLASH_LAYER.fullmatch(name)
+    if layer is None or layer[2] not in DFLASH_LAYER_NAMES:
+        return None
+    return f"blk.{layer[1]}.{DFLASH_LAYER_NAMES[layer[2]]}"
+
+
+def eagle3_metadata(record: HeadRecord) -> dict[str, Any]:
+    return {
+        "general.architecture": "eagle3",
+        "eagle3.target_layers": list(record.spec.aux_layer_ids),
+        "eagle3.target_hidden_size": record.spec.hidden_size,
+        "eagle3.block_count": 1,
+    }
+
+
+def dflash_metadata(record: HeadRecord) -> dict[str, Any]:
+    return {
+        "general.architecture": "dflash",
+        "dflash.target_layers": list(record.spec.aux_layer_ids),
+        "dflash.block_count": int(record.config["num_layers"]),
+        "dflash.block_size": int(record.config["block_size"]),
+        "dflash.attention.causal": False,  # llama.cpp runs the block causally unless told
+        MASK_TOKEN_KEY: int(record.config["mask_token_id"]),
+    }
+
+
+def check_eagle3_taps(record: HeadRecord) -> None:
+    taps = list(record.spec.aux_layer_ids)
+    if len(taps) != LLAMACPP_EAGLE3_TAPS:
+        raise FormatError(
+            f"format={LLAMACPP_FORMAT}: llama.cpp's EAGLE-3 fuses exactly {LLAMACPP_EAGLE3_TAPS} target "
+            f"layers; this head fuses {len(taps)} ({taps})"
+        )
+
+
+@dataclass(frozen=True)
+class GgufLayout:
+    """How llama.cpp's converter writes one head kind. ``source``: the specdraft format it reads;
+    ``gguf_name``: a source tensor's GGUF name (None: not one llama.cpp knows); ``regroup_rotary``:
+    whether q/k rows are regrouped for GGML's NORM rotary (EAGLE-3's draft is a Llama layer; DFlash's
+    are Qwen3's, rotated NEOX-style, HF's own halves); ``dropped``: source tensors the GGUF does not
+    hold; ``metadata``: the keys llama.cpp's drafting reads, as they must read; ``check``: what
+    llama.cpp additionally refuses."""
+
+    source: str
+    gguf_name: Callable[[str], str | None]
+    regroup_rotary: bool
+    dropped: tuple[str, ...]
+    metadata: Callable[[HeadRecord], dict[str, Any]]
+    check: Callable[[HeadRecord], None]
+
+
+GGUF_LAYOUTS = {
+    # t2d (target → draft ids): llama.cpp scatters the draft's logits through d2t alone
+    "eagle3": GgufLayout("vllm", eagle3_gguf_name, True, ("t2d",), eagle3_metadata, check_eagle3_taps),
+    "dflash": GgufLayout("dflash", dflash_gguf_name, False, (), dflash_metadata, lambda record: None),
+}
 
 
 @dataclass(frozen=True)
@@ -101,18 +194,12 @@ class Converter:
 
 def check_servable(record: HeadRecord) -> None:
     """One line for a head llama.cpp cannot serve."""
-    if record.kind not in SERVED_KINDS:
+    if record.kind not in GGUF_LAYOUTS:
         raise FormatError(
-            f"format={LLAMACPP_FORMAT} exports {'/'.join(SERVED_KINDS)} heads, not {record.kind!r}: "
-            "llama.cpp serves no EAGLE-1/2 or Medusa drafts, and specdraft does not write its DFlash "
-            "GGUF yet; format=vllm serves every EAGLE and DFlash head in vLLM"
+            f"format={LLAMACPP_FORMAT} exports {'/'.join(GGUF_LAYOUTS)} heads, not {record.kind!r}: "
+            "llama.cpp serves no EAGLE-1/2 or Medusa drafts; format=vllm serves every EAGLE head in vLLM"
         )
-    taps = list(record.spec.aux_layer_ids)
-    if len(taps) != LLAMACPP_TAPS:
-        raise FormatError(
-            f"format={LLAMACPP_FORMAT}: llama.cpp's EAGLE-3 fuses exactly {LLAMACPP_TAPS} target layers; "
-            f"this head fuses {len(taps)} ({taps})"
-        )
+    GGUF_LAYOUTS[record.kind].check(record)
 
 
 def write_gguf_export(
@@ -132,7 +219,7 @@ def write_gguf_export(
     check_servable(record)
     converter.check()
     check_destination(out_dir, overwrite)
-    config, tensors = export_files(record, "vllm", target_spec=target.spec)
+    config, tensors = export_files(record, GGUF_LAYOUTS[record.kind].source, target_spec=target.spec)
     config[PROVENANCE_KEY] = {
         **config[PROVENANCE_KEY],
         "format": LLAMACPP_FORMAT,
@@ -155,7 +242,7 @@ def write_gguf_export(
 
 
 def write_converter_input(draft_dir: Path, config: dict, tensors: dict[str, Tensor]) -> None:
-    """The head as a vLLM-layout folder, the converter's input (it reads ``model*.safetensors``)."""
+    """The head as the converter's input folder (it reads ``config.json`` and ``model*.safetensors``)."""
     draft_dir.mkdir(parents=True)
     save_file({k: t.detach().contiguous().clone() for k, t in tensors.items()}, draft_dir / WEIGHTS_FILE)
     (draft_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -163,9 +250,12 @@ def write_converter_input(draft_dir: Path, config: dict, tensors: dict[str, Tens
 
 def write_target_folder(target: Target, target_dir: Path) -> None:
     """The target's HF config and tokenizer (no weights): the converter takes the layer count,
-    width and vocabulary size from the config and copies the tokenizer into the GGUF."""
+    width and vocabulary size from the config, picks its tokenizer code by the config's
+    ``architectures`` (which a target read from a GGUF lacks) and copies the tokenizer into the GGUF."""
+    config = copy.deepcopy(target.model.config)
+    config.architectures = [target.spec.architecture]
     try:
-        target.model.config.save_pretrained(target_dir)
+        config.save_pretrained(target_dir)
         target.tokenizer.save_pretrained(target_dir)
     except (OSError, TypeError, ValueError) as error:
         raise FormatError(
@@ -198,25 +288,26 @@ def run_converter(
 
 
 def expected_gguf(tensors: dict[str, Tensor], record: HeadRecord, outtype: str) -> dict[str, np.ndarray]:
-    """The float32 (int64 for ``d2t``) values the converter must write for the vLLM-layout
+    """The float32 (int64 for ``d2t``) values the converter must write for the source-layout
     ``tensors``: norms stay f32, matrices go through ``outtype`` (Q8_0 quantised as gguf-py does),
-    q/k rows are interleaved for llama.cpp's rotary layout, ``d2t`` offsets become target ids."""
-    spec = record.spec
+    EAGLE-3's q/k rows are interleaved for llama.cpp's rotary layout, ``d2t`` offsets become target ids."""
+    spec, layout = record.spec, GGUF_LAYOUTS[record.kind]
     expected = {}
     for name, tensor in tensors.items():
-        if name in DROPPED:
+        if name in layout.dropped:
             continue
-        if name not in GGUF_NAMES:
+        gguf_name = layout.gguf_name(name)
+        if gguf_name is None:
             raise FormatError(f"format={LLAMACPP_FORMAT}: no llama.cpp name for the head's tensor {name}")
         if name == "d2t":
-            expected["d2t"] = (tensor.long() + torch.arange(tensor.numel())).numpy()
+            expected[gguf_name] = (tensor.long() + torch.arange(tensor.numel())).numpy()
             continue
         value = tensor.detach().float()
-        if name.endswith("q_proj.weight"):
+        if layout.regroup_rotary and name.endswith("q_proj.weight"):
             value = interleave_rotary_rows(value, spec.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif layout.regroup_rotary and name.endswith("k_proj.weight"):
             value = interleave_rotary_rows(value, spec.num_kv_heads)
-        expected[GGUF_NAMES[name]] = as_written(value, outtype if value.dim() > 1 else "f32")
+        expected[gguf_name] = as_written(value, outtype if value.dim() > 1 else "f32")
     return expected
 
 
@@ -241,18 +332,13 @@ def as_written(value: Tensor, outtype: str) -> np.ndarray:
 
 
 def check_gguf(path: Path, tensors: dict[str, Tensor], record: HeadRecord, outtype: str) -> None:
-    """The converted GGUF holds exactly the head: its architecture, taps and width, and every
+    """The converted GGUF holds exactly the head: the metadata llama.cpp's drafting reads, and every
     tensor equal to what :func:`expected_gguf` says the converter writes."""
     reader = gguf.GGUFReader(path)
     expected = expected_gguf(tensors, record, outtype)
     written = {t.name: t for t in reader.tensors}
     problems = []
-    metadata = {
-        "general.architecture": GGUF_ARCHITECTURE,
-        f"{GGUF_ARCHITECTURE}.target_layers": list(record.spec.aux_layer_ids),
-        f"{GGUF_ARCHITECTURE}.target_hidden_size": record.spec.hidden_size,
-        f"{GGUF_ARCHITECTURE}.block_count": 1,
-    }
+    metadata = GGUF_LAYOUTS[record.kind].metadata(record)
     for key, value in metadata.items():
         field = reader.get_field(key)
         found = None if field is None else field.contents()

@@ -4,8 +4,9 @@ only, never specdraft.
 
     python llamacpp_generate.py job.json result.json
 
-job.json: {model (the target's GGUF), speculative: "none" | "eagle3" | "ngram", draft (the
-EAGLE-3 GGUF, for "eagle3"), n_max (draft tokens per step, for "eagle3"), ngram: {size_n, size_m}
+job.json: {model (the target's GGUF), speculative: "none" | "eagle3" | "dflash" | "ngram", draft
+(the draft's GGUF, for "eagle3" and "dflash"), n_max (draft tokens per step, for those two; a
+DFlash block's drafts at most), ngram: {size_n, size_m}
 (for "ngram", llama.cpp's prompt lookup ``--spec-type ngram-simple``: the last size_n tokens looked
 up, at most size_m drafted; absent: llama.cpp's defaults), trace (optional: llama.cpp logs at trace
 level, which puts its speculative statistics — draft time included, ``dur(b,g,a)`` — on stderr),
@@ -23,7 +24,13 @@ import re
 import sys
 import time
 
-SPECULATIVE_TYPES = {"none": "NONE", "eagle3": "DRAFT_EAGLE3", "ngram": "NGRAM_SIMPLE"}
+SPECULATIVE_TYPES = {
+    "none": "NONE",
+    "eagle3": "DRAFT_EAGLE3",
+    "dflash": "DRAFT_DFLASH",
+    "ngram": "NGRAM_SIMPLE",
+}
+DRAFT_MODELS = ("eagle3", "dflash")  # the types that load a draft GGUF (job["draft"])
 TRACE_VERBOSITY = 4  # common/log.h LOG_LEVEL_TRACE: the level of the speculative statistics
 # llama.cpp's Prometheus counters (``endpoint_metrics``); read before and after each request.
 COUNTER = re.compile(r'^llamacpp:spec_decode_(\w+?)_total(?:\{position="(\d+)"\})?\s+([0-9.e+]+)$', re.M)
@@ -46,7 +53,7 @@ def build_server(job: dict):
         xlc.common_speculative_type, "COMMON_SPECULATIVE_TYPE_" + SPECULATIVE_TYPES[job["speculative"]]
     )
     params.speculative.types = [kind]
-    if job["speculative"] == "eagle3":
+    if job["speculative"] in DRAFT_MODELS:
         params.speculative.draft.mparams.path = job["draft"]
         params.speculative.draft.n_max = job["n_max"]
         params.speculative.draft.n_min = 0
