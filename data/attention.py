@@ -139,3 +139,51 @@ def slot_attention(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.set_attn_implementation(previous)
+
+
+# -- sliding windows ------------------------------------------------------------------------------
+SLIDING_ATTENTION = "sliding_attention"  # transformers' layer type of a windowed layer
+
+
+def attention_windows(config) -> dict[str | None, int | None]:
+    """How many keys each kind of layer of the decoder sees, by the name transformers keys its
+    per-kind masks with: ``{layer type: window or None (all)}`` for a model whose config lists
+    ``layer_types`` (Gemma 2/3, Qwen2/3: windowed and global layers), ``{None: window}`` for one
+    whose every layer shares one mask (Mistral). A window of W keys: a query at position p sees
+    the keys at positions p − W + 1 .. p. Every window None: no layer is windowed."""
+    window = getattr(config, "sliding_window", None)
+    if not getattr(config, "use_sliding_window", True):  # Qwen2/3 carry a window they do not use
+        window = None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return {kind: window if kind == SLIDING_ATTENTION else None for kind in sorted(set(layer_types))}
+    return {None: window}
+
+
+def windowed_masks(
+    mask: Tensor, windows: dict[str | None, int | None], query_positions: Tensor, key_positions: Tensor
+) -> Tensor | dict[str, Tensor]:
+    """``mask`` (B×1×n×keys, additive or bool: True visible) with each window of
+    :func:`attention_windows` applied: the mask itself where no layer is windowed, the windowed
+    mask for a model whose layers share one, else a mask per layer type (transformers takes the
+    dict as it is). query_positions B×n, key_positions B×keys: the rotary positions of the
+    queries and of the keys in the cache's columns (a tree's nodes sit at their depth, not their
+    column)."""
+    if all(window is None for window in windows.values()):
+        return mask
+    distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]  # B×1×n×keys
+    hidden = mask.new_zeros(()) if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
+
+    def windowed(window: int | None) -> Tensor:
+        return mask if window is None else mask.masked_fill(distance >= window, hidden)
+
+    if None in windows:  # one mask for every layer
+        return windowed(windows[None])
+    return {kind: windowed(window) for kind, window in windows.items()}
+
+
+def column_positions(keys: int, written: Tensor, positions: Tensor) -> Tensor:
+    """B×keys rotary positions of a cache's columns: column c holds position c (a committed
+    past), except the columns ``written`` this step (n or B×n), which hold ``positions`` (B×n)."""
+    columns = torch.arange(keys, device=positions.device).expand(len(positions), keys).clone()
+    return columns.scatter_(1, written.expand_as(positions), positions)

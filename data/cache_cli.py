@@ -21,6 +21,7 @@ from specdraft.data.chat import tokenize_conversations
 from specdraft.data.conversations import select_conversations
 from specdraft.data.packed_linear import pack_linear_weights
 from specdraft.data.settings import SPLITS, THREADS, data_rules
+from specdraft.data.target import check_target_family
 from specdraft.system.checks import at_least, check_settings, from_text, one_of, optional
 from specdraft.system.errors import hydra_command
 from specdraft.system.hardware import start
@@ -47,6 +48,7 @@ CACHE_SETTINGS = {
 def main(cfg: DictConfig) -> None:
     check_settings(cfg, CACHE_SETTINGS)
     start("specdraft-cache", cfg.threads, cfg.target)
+    check_target_family(cfg.target)
     if cfg.mode == "validate":
         finalize_manifest(cfg.out_dir)
         manifest = validate_cache(cfg.out_dir)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from specdraft.data.chat import TokenizedConversation
+from specdraft.data.families import output_logits
 from specdraft.data.target import Target
 from specdraft.heads.spec import TargetSpec
 
@@ -193,7 +194,8 @@ def _lm_head_outputs(target: Target, features: FeatureBatch, top_k: int, chunk: 
     batch_size, length, _ = hidden.shape
     flat_index = features.attention_mask.to(hidden.device).reshape(-1).nonzero().squeeze(-1)
     real = hidden.reshape(batch_size * length, -1)[flat_index]
-    ids, probs = target_topk(real, target.model.get_output_embeddings(), top_k, chunk)
+    logits = partial(output_logits, target.model.config, target.model.get_output_embeddings())
+    ids, probs = target_topk(real, logits, top_k, chunk)
     zeros = partial(torch.zeros, batch_size * length, top_k, device=hidden.device)
     features.topk_ids, features.topk_probs = zeros(dtype=torch.long), zeros(dtype=torch.float32)
     features.topk_ids[flat_index], features.topk_probs[flat_index] = ids, probs

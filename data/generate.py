@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from specdraft.data.attention import slot_attention
+from specdraft.data.attention import attention_windows, slot_attention, windowed_masks
 from specdraft.data.kv_cache import PositionalKVCache, kv_shape
 
 if TYPE_CHECKING:
@@ -74,9 +74,8 @@ class Slots:
         self.position = torch.zeros(batch, dtype=torch.long, device=device)
         # as many columns as the buffers may grow to (capacity rounded up to the grain)
         self.visible = torch.zeros(batch, -(-capacity // grain) * grain, dtype=torch.long, device=device)
-        # Regeneration's masks come from transformers (2D, expanded by the model, sliding windows
-        # included), so the decoder's refusal of sliding windows (for_model) does not apply.
         self.cache = PositionalKVCache(*kv_shape(model.config), model.dtype, device, batch)
+        self.windows = attention_windows(model.config)
         self.columns = grain
         self.cache.resize(grain)
 
@@ -108,6 +107,20 @@ class Slots:
         self.write, self.position, self.visible = self.write[keep], self.position[keep], self.visible[keep]
         self.cache.select_rows(keep)
 
+    def _mask(self, dtype: torch.dtype) -> Tensor | dict[str, Tensor]:
+        """The step's attention mask: the visible columns (B×columns: transformers expands it),
+        or for a windowed target the 4D masks of each layer kind, windowed here: transformers
+        would window every row from the LAST column, and a row writes at its own. A row's columns
+        hold consecutive positions (its left padding is never visible), so column distance is
+        position distance."""
+        visible = self.visible[:, : self.columns]
+        if all(window is None for window in self.windows.values()):
+            return visible
+        additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+        additive.masked_fill_(visible == 0, torch.finfo(dtype).min)
+        columns = torch.arange(self.columns, device=visible.device).expand_as(visible)
+        return windowed_masks(additive[:, None, None, :], self.windows, self.write[:, None], columns)
+
     def step_logits(self, model: torch.nn.Module, tokens: Tensor) -> Tensor:
         """One decoding step of every row: ``tokens`` B (each row's newest token) written at its
         own column, attending its visible columns; returns the last logits B×V. The columns and
@@ -121,7 +134,7 @@ class Slots:
         try:
             return model(
                 input_ids=tokens.to(device).unsqueeze(-1),
-                attention_mask=self.visible[:, : self.columns],
+                attention_mask=self._mask(model.dtype),
                 position_ids=self.position.unsqueeze(-1),
                 past_key_values=self.cache,
                 cache_position=torch.tensor([self.columns - 1], device=device),

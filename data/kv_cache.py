@@ -100,15 +100,10 @@ class PositionalKVCache(Cache):
 
     @classmethod
     def for_model(cls, model, dtype: torch.dtype, device, batch: int = 1) -> PositionalKVCache:
-        """A cache for the decoder, which gives attention its own masks: sliding-window
-        attention, which those masks do not express, is refused."""
-        config = model.config
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-            raise NotImplementedError(
-                f"{config.model_type}: sliding-window attention (sliding_window={config.sliding_window}) "
-                "is not supported by the decoder's positional KV cache"
-            )
-        return cls(*kv_shape(config), dtype, device, batch)
+        """A cache for ``model``'s decoder. Windowed layers keep every key too: their masks hide
+        the keys outside the window (data/attention.py ``windowed_masks``), so a tree's nodes and
+        a moved path need nothing a ring buffer would."""
+        return cls(*kv_shape(model.config), dtype, device, batch)
 
     @property
     def capacity(self) -> int:

@@ -28,7 +28,7 @@ from specdraft.data.conversations import split_conversations
 from specdraft.data.features import collate, extract_features, length_batches, pad_token_id
 from specdraft.data.regen import GenerationSettings, TargetResponder
 from specdraft.data.settings import THREADS, data_rules
-from specdraft.data.target import Target
+from specdraft.data.target import Target, check_target_family
 from specdraft.system.checks import at_least, check_settings
 from specdraft.system.errors import hydra_command
 from specdraft.system.files import write_json_atomic
@@ -52,6 +52,7 @@ PREPARE_SETTINGS = {
 def main(cfg: DictConfig) -> None:
     check_settings(cfg, PREPARE_SETTINGS)
     start("specdraft-prepare", cfg.threads, cfg.target)
+    check_target_family(cfg.target)
     started = time.perf_counter()
     target: Target = instantiate(cfg.target)
     load_seconds = time.perf_counter() - started

@@ -33,6 +33,7 @@ from specdraft.data.regen import (
     resolve_chunk_size,
 )
 from specdraft.data.settings import SPLITS, THREADS, data_rules
+from specdraft.data.target import check_target_family
 from specdraft.system.checks import (
     at_least,
     check_settings,
@@ -107,6 +108,7 @@ def check_openai_backend(cfg: DictConfig) -> None:
 def regen(cfg: DictConfig) -> None:
     """Regenerate (or resume) ``cfg.out_path`` (and its captured features) as configured."""
     start("specdraft-regen", cfg.threads, cfg.target)
+    check_target_family(cfg.target)
     settings = GenerationSettings(**cfg.generation)
     source = instantiate(cfg.data.source)
     data = OmegaConf.to_container(cfg.data, resolve=True)

@@ -16,19 +16,28 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from specdraft.data.assets import find_package_file
 from specdraft.data.chat import end_of_turn_token_id
+from specdraft.data.families import check_family, final_logit_softcap
 from specdraft.heads.frozen import TargetWeights
 from specdraft.heads.spec import TargetSpec, default_aux_layer_ids
 from specdraft.system.files import file_sha256
@@ -37,6 +46,9 @@ from specdraft.system.hardware import resolve_dtype
 log = logging.getLogger(__name__)
 
 GGUF_CACHE_FORMAT_VERSION = 1
+# norm_scale: a measured scale this close to the norm's weight IS the weight (float32 rounding of
+# the probe's √(1 + eps) is far below it; Gemma's 1 + w is nowhere near w).
+NORM_PROBE_TOLERANCE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,24 @@ class Target:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+
+def check_target_family(target_config: Mapping[str, Any]) -> None:
+    """Refuse, from its config.json alone, an HF target (a ``load_hf_target`` config) of a family
+    specdraft does not decode: commands call this before they write anything or load weights.
+    Other loaders build families they check themselves (the tiny models, SmolLM2's GGUF); a
+    config.json that cannot be read is left to the loader to report."""
+    if not str(target_config.get("_target_", "")).endswith(".load_hf_target"):
+        return
+    try:
+        config = AutoConfig.from_pretrained(
+            target_config["name_or_path"],
+            revision=target_config.get("revision"),
+            trust_remote_code=bool(target_config.get("trust_remote_code", False)),
+        )
+    except (OSError, ValueError):
+        return
+    check_family(config)
 
 
 def load_hf_target(
@@ -139,7 +169,9 @@ def build_target(
     aux_layer_ids: Sequence[int] | None = None,
     extra_eos_tokens: Sequence[str] = (),
 ) -> Target:
-    """Freeze ``model`` and describe it with a :class:`TargetSpec`."""
+    """Freeze ``model`` and describe it with a :class:`TargetSpec`; a model of a family specdraft
+    does not decode (:mod:`specdraft.data.families`) is refused."""
+    check_family(model.config)
     model.eval()
     model.requires_grad_(False)
     config = model.config
@@ -227,6 +259,22 @@ def _dequantise_gguf_to(gguf_path: Path, destination: Path, digest: str) -> None
         shutil.rmtree(staging, ignore_errors=True)
 
 
+@torch.no_grad()
+def norm_scale(norm: torch.nn.Module, eps: float) -> torch.Tensor:
+    """H: the per-channel scale an RMS norm applies after normalising, measured by running it on
+    ones (whose RMS normalisation divides by √(1 + eps)): the norm's own weight where it
+    multiplies by its weight (Llama), else the measured scale (Gemma's 1 + weight)."""
+    weight = norm.weight.detach()
+    # float32 at least (a bf16 norm's product would round), the norm's own dtype above it (float64)
+    ones = torch.ones(
+        1, weight.shape[-1], dtype=torch.promote_types(weight.dtype, torch.float32), device=weight.device
+    )
+    scale = norm(ones)[0] * math.sqrt(1.0 + eps)
+    if torch.allclose(scale, weight.to(scale.dtype), rtol=NORM_PROBE_TOLERANCE, atol=NORM_PROBE_TOLERANCE):
+        return weight
+    return scale.to(weight.dtype)
+
+
 def target_weights(target: Target) -> TargetWeights:
     """The frozen tensors a draft head computes with (shared with the model, not copied)."""
     model = target.model
@@ -235,10 +283,14 @@ def target_weights(target: Target) -> TargetWeights:
         raise ValueError(
             f"target {target.spec.name}: its decoder has no final `norm` (not a Llama-style model)"
         )
+    embedding = model.get_input_embeddings()
     weights = TargetWeights(
-        embedding=model.get_input_embeddings().weight.detach(),
+        embedding=embedding.weight.detach(),
         lm_head=model.get_output_embeddings().weight.detach(),
-        final_norm=decoder.norm.weight.detach(),
+        final_norm=norm_scale(decoder.norm, target.spec.rms_norm_eps),
+        # transformers' scaled embeddings (Gemma) hold it as embed_scale
+        embedding_scale=float(getattr(embedding, "embed_scale", 1.0)),
+        logit_softcap=final_logit_softcap(model.config),
     )
     weights.check(target.spec)
     return weights

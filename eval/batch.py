@@ -24,10 +24,12 @@ size is compared with.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from functools import partial
 
 import torch
 from torch import Tensor
 
+from specdraft.data.families import output_logits
 from specdraft.data.kv_cache import PositionalKVCache
 from specdraft.data.target import Target
 from specdraft.eval.decode import (
@@ -67,7 +69,7 @@ class BatchRunner:
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.device, self.dtype = target.device, target.dtype
         self._decoder = self.model.get_decoder()
-        self._lm_head = self.model.get_output_embeddings()
+        self._logits = partial(output_logits, self.model.config, self.model.get_output_embeddings())
         self.cache = PositionalKVCache.for_model(self.model, self.dtype, self.device)
         self._masked = torch.finfo(self.dtype).min
         self.lengths: list[int] = []
@@ -123,7 +125,7 @@ class BatchRunner:
         hidden, aux = self._forward(tokens, positions, causal & real[:, None, :])
         self.lengths = [len(prompt) for prompt in prompts]
         last = torch.tensor([len(prompt) - 1 for prompt in prompts], device=self.device)
-        logits = self._lm_head(hidden[torch.arange(rows, device=self.device), last])  # B×V
+        logits = self._logits(hidden[torch.arange(rows, device=self.device), last])  # B×V
         return [
             TargetOutput(logits[b : b + 1], hidden[b, :length], None if aux is None else aux[b, :length])
             for b, length in enumerate(self.lengths)
@@ -144,7 +146,7 @@ class BatchRunner:
             tokens[b, :size], depths[b, :size] = row_tokens, row_depths
             visible[b, :size, :size] = row_visible
         hidden, aux = self._forward(tokens, depths, visible)
-        logits = self._lm_head(hidden)  # target dtype: B×n×V
+        logits = self._logits(hidden)  # target dtype: B×n×V
         return [
             TargetOutput(logits[b, :size], hidden[b, :size], None if aux is None else aux[b, :size])
             for b, size in enumerate(len(row_tokens) for row_tokens, _, _ in trees)

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from specdraft.data.attention import attention_windows, column_positions, windowed_masks
+from specdraft.data.families import output_logits
 from specdraft.data.generate import greedy_tokens
 from specdraft.data.kv_cache import PositionalKVCache
 from specdraft.data.target import Target
@@ -53,8 +55,16 @@ def decoder_features(
     mask: Tensor | None,
 ) -> tuple[Tensor, Tensor | None]:
     """The target's decoder over input_ids, positions B×n with ``mask`` (B×1×n×keys additive,
-    or None: causal) on ``cache``: hidden B×n×H (after the final norm) and the aux layers' B×n×k·H
-    (None without ``aux_layer_ids``)."""
+    or None: causal, which transformers windows itself) on ``cache``: hidden B×n×H (after the
+    final norm) and the aux layers' B×n×k·H (None without ``aux_layer_ids``). A windowed target's
+    layers each get ``mask`` with their window applied (:func:`windowed_masks`)."""
+    if mask is not None:
+        n = positions.shape[-1]
+        written = cache.write_index
+        if written is None:
+            written = torch.arange(cache.write_at, cache.write_at + n, device=positions.device)
+        keys = column_positions(mask.shape[-1], written, positions)
+        mask = windowed_masks(mask, attention_windows(decoder.config), positions, keys)
     output = decoder(
         input_ids=input_ids,
         position_ids=positions,
@@ -136,7 +146,8 @@ class TargetRunner:
             self._decoder, self.cache, self.aux_layer_ids, input_ids, positions, mask
         )
         hidden = hidden[0]
-        logits = self.model.get_output_embeddings()(hidden)  # target dtype: fp32 copies cost ms per tree
+        # target dtype: fp32 copies cost ms per tree
+        logits = output_logits(self.model.config, self.model.get_output_embeddings(), hidden)
         return (logits, hidden) if aux is None else (logits, hidden, aux[0])
 
     @torch.no_grad()

@@ -218,6 +218,7 @@ class DFlashHead(DraftHead):
         self.config = replace(config, mask_token_id=mask_token_id)  # resolved: checkpoints record it
         hidden = spec.hidden_size
         self.register_buffer("target_embedding", weights.embedding, persistent=False)
+        self.embedding_scale = weights.embedding_scale  # the target's (Gemma: √H)
         self.fc = nn.Linear(len(spec.aux_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, spec.rms_norm_eps)
         self.layers = nn.ModuleList(BlockDecoderLayer(spec) for _ in range(config.num_layers))
@@ -266,7 +267,8 @@ class DFlashHead(DraftHead):
     ) -> Tensor:
         """The last layer's outputs B×n×k×H (before the final norm) of ``blocks`` over each
         layer's context keys/values."""
-        x = F.embedding(blocks.tokens, self.target_embedding).to(dtype)
+        x = F.embedding(blocks.tokens, self.target_embedding)
+        x = (x if self.embedding_scale == 1.0 else x * self.embedding_scale).to(dtype)
         positions = blocks.positions
         for layer, kv in zip(self.layers, context_kv, strict=True):
             x = layer(x, positions, kv, blocks.context)

@@ -81,10 +81,13 @@ class FeatureHead(DraftHead):
     def __init__(self, spec: TargetSpec, weights: TargetWeights, attention_input_size: int) -> None:
         super().__init__(spec, weights)
         self.register_buffer("target_embedding", weights.embedding, persistent=False)
+        self.embedding_scale = weights.embedding_scale
         self.layer = DraftDecoderLayer(spec, attention_input_size)
 
     def embed(self, token_ids: Tensor) -> Tensor:
-        return F.embedding(token_ids, self.target_embedding)
+        """The target's embedding of ``token_ids``, scaled as the target scales it."""
+        embedded = F.embedding(token_ids, self.target_embedding)
+        return embedded if self.embedding_scale == 1.0 else embedded * self.embedding_scale
 
     def initial_features(self, hidden: Tensor, aux: Tensor | None) -> Tensor:
         """The level-1 features B×T×H the head reads from the target (hidden: last hidden state,

@@ -102,6 +102,7 @@ class DraftHead(nn.Module):
         # The target's own lm_head: the objective recomputes the target's next-token distribution
         # through it from the features, and heads that draft through it read it.
         self.register_buffer("target_lm_head", weights.lm_head, persistent=False)
+        self.target_logit_softcap = weights.logit_softcap  # the target's own logits are capped by it
 
     @property
     def target_taps(self) -> tuple[int, ...]:

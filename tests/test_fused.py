@@ -27,9 +27,13 @@ def reference(
     topk_ids,
     topk_probs,
     labels,
+    logit_softcap=None,
 ):
-    """The unfused computation: full N×V logits, losses.step_loss, autograd."""
+    """The unfused computation: full N×V logits (capped as Gemma 2 caps them, with a cap),
+    losses.step_loss, autograd."""
     target_logits = target_hidden @ target_weight.T
+    if logit_softcap is not None:
+        target_logits = logit_softcap * torch.tanh(target_logits / logit_softcap)
     argmax = target_logits.argmax(-1)
     keep = torch.ones_like(argmax, dtype=torch.bool)
     if vocab is not None:
@@ -143,6 +147,31 @@ def test_fused_equals_reference(reduced, chunk_size):
     problem = random_problem(0, steps=3, n=20, reduced=reduced, unlabelled_every=5)
     weights = LossWeights(soft_ce=0.3, forward_kl=0.2, topk=1.5, topk_k=K, ce=0.7)
     assert_fused_equals_reference(problem, weights, chunk_size)
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_a_capped_target_distribution_equals_the_reference(reduced):
+    """Gemma 2's final logits are soft-capped: the target distribution the terms compare with is
+    the capped one (a cap of 1 bends these logits, of spread ~3, a lot)."""
+    problem = random_problem(1, steps=2, n=12, reduced=reduced, unlabelled_every=4)
+    weights = LossWeights(soft_ce=0.5, forward_kl=0.5, topk=0.0, ce=0.0, lk_alpha=0.5)
+    step_weights = [1.0, 0.5]
+    inputs = loss_inputs(problem, step_weights, weights)
+    expected, _, _ = reference(
+        problem.hidden,
+        problem.weight,
+        problem.target_hidden,
+        problem.target_weight,
+        *inputs,
+        logit_softcap=1.0,
+    )
+    uncapped, _, _ = reference(
+        problem.hidden, problem.weight, problem.target_hidden, problem.target_weight, *inputs
+    )
+    draft, target = sides(problem, step_weights)
+    out = fused_vocab_losses(draft, replace(target, logit_softcap=1.0), weights, chunk_size=5)
+    torch.testing.assert_close(out.loss.double(), expected.double(), rtol=1e-6, atol=1e-6)
+    assert abs(float(expected) - float(uncapped)) > 1e-2  # the cap matters here
 
 
 LK_WEIGHTS = {

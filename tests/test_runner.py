@@ -9,8 +9,9 @@ import pytest
 import torch
 from conftest import chain_paths
 
+from specdraft.data.attention import attention_windows, column_positions, windowed_masks
 from specdraft.data.features import TokenBatch, extract_features
-from specdraft.data.tiny import tiny_random_target
+from specdraft.data.tiny import TINY_SLIDING_WINDOW, tiny_random_target
 from specdraft.eval.runner import TargetRunner
 from specdraft.eval.trees import tree_buffers
 
@@ -94,8 +95,36 @@ def test_commit_of_a_prefix_crops_the_rest(tiny_target, graphs):
     )
 
 
-def test_sliding_window_targets_are_refused_not_silently_attended_in_full():
-    target = tiny_random_target(seed=0)
-    target.model.config.sliding_window = 16
-    with pytest.raises(NotImplementedError, match="sliding_window=16"):
-        TargetRunner(target)
+def test_windowed_masks_hide_the_keys_a_window_leaves_out():
+    """A tree verified after a 4-token past under a window of 3 keys: node 2 (depth 1, the
+    root's child, position 5) sees positions 3..5 — past position 3, the root (column 4,
+    position 4) and itself (column 6) — and not its sibling at column 5; a global layer sees all
+    of its past and ancestors."""
+    visible = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0, 1]]).bool()
+    positions = torch.tensor([[4, 5, 5]])
+    keys = column_positions(7, torch.arange(4, 7), positions)
+    assert keys.tolist() == [[0, 1, 2, 3, 4, 5, 5]]
+    windows = {"full_attention": None, "sliding_attention": 3}
+    masks = windowed_masks(visible[None, None], windows, positions, keys)
+    assert torch.equal(masks["full_attention"][0, 0], visible)
+    assert masks["sliding_attention"][0, 0].int().tolist() == [
+        [0, 0, 1, 1, 1, 0, 0],
+        [0, 0, 0, 1, 1, 1, 0],
+        [0, 0, 0, 1, 1, 0, 1],
+    ]
+    unwindowed = visible[None, None]
+    assert windowed_masks(unwindowed, {None: None}, positions, keys) is unwindowed
+    hidden = torch.finfo(torch.float32).min
+    additive = torch.zeros(visible.shape).masked_fill(~visible, hidden)[None, None]
+    one = windowed_masks(additive, {None: 3}, positions, keys)  # every layer windowed alike
+    assert one[0, 0, 0, 1] == hidden and one[0, 0, 0, 2] == 0
+
+
+def test_attention_windows_follow_the_config():
+    assert attention_windows(tiny_random_target(seed=0).model.config) == {None: None}
+    mistral = tiny_random_target(seed=0, family="mistral").model.config
+    assert attention_windows(mistral) == {None: TINY_SLIDING_WINDOW}
+    gemma = tiny_random_target(seed=0, family="gemma2").model.config
+    assert attention_windows(gemma) == {"full_attention": None, "sliding_attention": TINY_SLIDING_WINDOW}
+    qwen = tiny_random_target(seed=0, family="qwen2").model.config
+    assert set(attention_windows(qwen).values()) == {None}  # a window it does not use

@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from specdraft.data.cache import stored_top_k
 from specdraft.data.datamodule import FeatureDataModule
 from specdraft.data.settings import THREADS, data_rules
-from specdraft.data.target import Target, target_weights
+from specdraft.data.target import Target, check_target_family, target_weights
 from specdraft.heads.formats import read_checkpoint, read_head
 from specdraft.heads.interface import DraftHead
 from specdraft.heads.registry import build_head, config_record
@@ -126,6 +126,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 def train_locked(cfg: DictConfig) -> dict[str, Any]:
     run_dir = Path(cfg.paths.output_dir)
+    check_target_family(cfg.target)  # before the run dir holds anything
     features_for_objective(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resume_from = prepare_run_dir(run_dir, resolved, cfg.resume, list(cfg.resume_ignore))

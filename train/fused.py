@@ -98,6 +98,8 @@ class TargetSide:
     labels      N    the next token (target ids, −1: none), for ``ce``
     argmax      N    its argmax when known (its cached top-1): with a reduced vocab the full
                      target logits are then never computed
+    logit_softcap    the cap of its logits (Gemma 2: p = softmax(cap · tanh(hidden @ lm_headᵀ /
+                     cap))), None: uncapped
     """
 
     hidden: Tensor
@@ -106,6 +108,7 @@ class TargetSide:
     topk_probs: Tensor | None = None
     labels: Tensor | None = None
     argmax: Tensor | None = None
+    logit_softcap: float | None = None
 
 
 def fused_vocab_losses(

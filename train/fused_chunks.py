@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from specdraft.heads.frozen import soft_cap
 from specdraft.train.losses import ALPHA_FLOOR
 from specdraft.train.vocab_major import (
     GatheredWeightGradient,
@@ -244,6 +245,7 @@ def _target_distribution(
     vocab it was found before: two passes over V×c saved). Returns Σ_v p log p (c) when forward
     KL reads it."""
     target_logits = project(plan.w_target, call.target.hidden[rows], logits)
+    target_logits = soft_cap(target_logits, call.target.logit_softcap)
     argmax_with = (scratch, plan.last_first) if plan.wants_argmax else None
     _, total, target_top = softmax_(target_logits, p, argmax_with)
     p.div_(total)

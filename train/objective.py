@@ -17,13 +17,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from specdraft.data.features import FeatureBatch, target_topk
+from specdraft.heads.frozen import soft_cap
 from specdraft.heads.interface import DraftHead, TrainingPredictions, shift_left
 from specdraft.heads.vocab import VocabProjection, VocabRestriction
 from specdraft.train.fused import (
@@ -216,8 +216,8 @@ class DraftObjective:
                     " (raise datamodule.top_k / the cache's top_k)"
                 )
             return batch.topk_ids[b, p, :k], batch.topk_probs[b, p, :k]
-        weight = head.target_lm_head.to(target_hidden.dtype)
-        return target_topk(target_hidden, partial(F.linear, weight=weight), k)
+        weight, cap = head.target_lm_head.to(target_hidden.dtype), head.target_logit_softcap
+        return target_topk(target_hidden, lambda hidden: soft_cap(F.linear(hidden, weight), cap), k)
 
     def _fused(
         self,
@@ -259,6 +259,7 @@ class DraftObjective:
             topk_probs=topk_probs,
             labels=labels,
             argmax=batch.topk_ids[b, q, 0] if batch.topk_ids is not None else None,
+            logit_softcap=head.target_logit_softcap,
         )
         return fused_vocab_losses(draft, target, self.weights, self.chunk_size)
 
