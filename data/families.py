@@ -39,6 +39,11 @@ FAMILIES = {
         "windowed and global layers alternating, attention and final logit soft-capping (eager "
         "attention), a √hidden embedding scale and (1 + w) norms (heads read both as the target does)",
     ),
+    "gemma3_text": Family(
+        "Gemma 3 (text)",
+        "windowed and global layers with their own rotary bases (heads take the global one), q/k norms, "
+        "a √hidden embedding scale and (1 + w) norms",
+    ),
     "phi3": Family("Phi-3", "fused q/k/v and gate/up projections"),
 }
 

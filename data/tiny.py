@@ -130,6 +130,13 @@ TINY_FAMILIES = {
         attention="eager",
         chat=GEMMA_CHAT,
     ),
+    # q/k norms, windowed layers with their own rotary base, √hidden embedding scale, (1 + w) norms
+    "gemma3_text": TinyFamily(
+        "Gemma3TextConfig",
+        {"sliding_window": TINY_SLIDING_WINDOW, "layer_types": ["sliding_attention", "full_attention"] * 2},
+        tied=False,
+        chat=GEMMA_CHAT,
+    ),
     "phi3": TinyFamily("Phi3Config", tied=False, chat=PHI3_CHAT),  # fused q/k/v and gate/up projections
 }
 

@@ -27,8 +27,8 @@ import transformers
 from conftest import DIVERSE_INIT, prefix_chi_squares
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from test_capture import CPU_TOLERANCE, TOP_K, assert_close_to_scale, prompts_and_eos
 from test_capture import MAX_NEW_TOKENS as CAPTURE_NEW_TOKENS
+from test_capture import TOP_K, assert_close_to_scale, prompts_and_eos
 from test_chat import TWO_TURNS, masked_runs
 from test_cli_errors import run_command
 from test_decode import (
@@ -67,6 +67,9 @@ FAMILY_NAMES = sorted(TINY_FAMILIES)
 KINDS = ["medusa", "eagle", "eagle3", "dflash"]
 DFLASH = {"num_layers": 1, "block_size": 5, "mask_token_id": None, "anchor_fraction": 0.5}
 BATCH_PROMPT_LENGTHS = (12, 5, 17)  # ragged rows
+# Of the tensor's largest entry: the batches' different sums differ by ~2e-5 on some families
+# (Phi-3's fused projections); a shifted position or a missed row is off by O(1).
+CAPTURE_TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module", params=FAMILY_NAMES)
@@ -186,8 +189,8 @@ def test_regeneration_equals_generate_and_captures_a_forward(family):
     forward = extract_features(target, collate(samples, 0), aux, top_k=TOP_K)
     for index, sequence in enumerate(sequences):
         captured, length = capture.pop(index), len(sequence)
-        assert_close_to_scale(captured.hidden, forward.hidden[index, :length], CPU_TOLERANCE)
-        assert_close_to_scale(captured.aux, forward.aux[index, :length], CPU_TOLERANCE)
+        assert_close_to_scale(captured.hidden, forward.hidden[index, :length], CAPTURE_TOLERANCE)
+        assert_close_to_scale(captured.aux, forward.aux[index, :length], CAPTURE_TOLERANCE)
         read = slice(len(prompts[index]) - 1, length)
         assert torch.equal(captured.topk_ids[read], forward.topk_ids[index, read])
 
