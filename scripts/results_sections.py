@@ -341,10 +341,11 @@ def llamacpp_order(name: str, r: dict) -> tuple:
 
 
 def llamacpp_family(name: str, r: dict) -> tuple[str, str]:
-    """(the row a method shares, its variant there): the head's GGUF weight types per draft
-    length, llama.cpp's n-gram settings, specdraft's plain decoding and head."""
+    """(the row a method shares, its variant there): a head's GGUF weight types per draft length
+    (``llamacpp_<kind>_<type>_n<n>``), llama.cpp's n-gram settings, specdraft's plain decoding and head."""
     if r.get("draft_length"):
-        return f"eagle3 n={r['draft_length']}", name.removeprefix("llamacpp_eagle3_").rsplit("_n", 1)[0]
+        kind, variant = name.removeprefix("llamacpp_").split("_", 1)
+        return f"{kind} n={r['draft_length']}", variant.rsplit("_n", 1)[0]
     for family in ("llamacpp_ngram", "specdraft"):
         if name.startswith(family + "_"):
             return family, name.removeprefix(family + "_")

@@ -151,6 +151,7 @@ def test_variants_of_one_method_share_a_row(results) -> None:
     methods = {
         "llamacpp_eagle3_q8_0_n2": drafted(48.0, 26.0),
         "llamacpp_eagle3_f16_n2": drafted(50.0, 25.0),
+        "llamacpp_dflash_f16_n2": drafted(40.0, 30.0),
         "llamacpp_plain": {
             "engine": "llama.cpp",
             "tokens_per_s": 100.0,
@@ -162,11 +163,33 @@ def test_variants_of_one_method_share_a_row(results) -> None:
     snapshot = {"about": ".", "forward_ms": {"1": 8.0}, "methods": methods, "run": run}
     rows = [line for line in results.sections.llamacpp_section(snapshot) if line.startswith("| ")]
     assert rows[1].startswith("| llamacpp_plain |")  # plain first, whatever the snapshot's order
-    assert rows[2] == (
+    eagle3 = next(row for row in rows if row.startswith("| eagle3"))
+    assert eagle3 == (
         "| eagle3 n=2 (f16 / q8_0) | llama.cpp | 50.0 / 48.0 | 0.50× / 0.48× | 1.50 / 1.50 "
         "| 0.30 / 0.20; 0.30 / 0.20 "
         "| 25.0 (2.0) / 26.0 (2.0) | 1.10× / 1.10× | 8/8 / 8/8 |"
     )
+    dflash = "| dflash n=2 (f16) | llama.cpp | 40.0 | 0.40× |"  # each head kind its own row
+    assert any(row.startswith(dflash) for row in rows)
+
+
+def test_each_gguf_export_is_served_as_its_head_kind(bench, tmp_path) -> None:
+    gguf = []
+    for kind, outtype in (("eagle3", "f16"), ("dflash", "f16"), ("eagle3", "q8_0")):
+        export = tmp_path / f"{kind}-{outtype}"
+        export.mkdir()
+        (export / "model.gguf").write_bytes(b"GGUF")
+        (export / "config.json").write_text(json.dumps({"specdraft": {"kind": kind, "outtype": outtype}}))
+        gguf.append(export)
+    args = type("Args", (), {"gguf": gguf, "draft_lengths": [3]})()
+    methods = bench.llamacpp_methods(args, bench.exports(args))
+    assert methods["llamacpp_dflash_f16_n3"] == {
+        "speculative": "dflash", "draft": str(tmp_path / "dflash-f16" / "model.gguf"), "n_max": 3
+    }  # fmt: skip
+    assert methods["llamacpp_eagle3_q8_0_n3"]["speculative"] == "eagle3"
+    args.gguf.append(gguf[0])
+    with pytest.raises(SystemExit, match="both eagle3 f16; give one export per head and type"):
+        bench.exports(args)
 
 
 def test_a_resumed_run_reuses_a_result_of_the_same_job_only(bench, tmp_path) -> None:

@@ -1,14 +1,14 @@
 #!/usr/bin/env python
-"""What a CPU user gets from our EAGLE-3 head in llama.cpp, measured against llama.cpp's own plain
-decoding and n-gram drafting, and against specdraft's PyTorch decoder, in ONE interleaved run on
-this machine:
+"""What a CPU user gets from our EAGLE-3 (or DFlash) heads in llama.cpp, measured against
+llama.cpp's own plain decoding and n-gram drafting, and against specdraft's PyTorch decoder, in ONE
+interleaved run on this machine:
 
     python scripts/interop/bench_llamacpp.py --gguf exports/mine-gguf exports/mine-gguf-q8 \\
         --torch-head assets/heads/smollm2-135m-eagle-mix --out outputs/bench/llamacpp
 
 Each round runs every method over the same MT-bench first turns (greedy, the same chat-templated
-token ids for both engines): llama.cpp plain; llama.cpp + the head at each draft length, for each
-GGUF export given (its weight type names it); llama.cpp's n-gram drafting (``ngram-simple``) at
+token ids for both engines): llama.cpp plain; llama.cpp + a head at each draft length, for each
+GGUF export given (its head kind and weight type name it); llama.cpp's n-gram drafting (``ngram-simple``) at
 each setting; ``specdraft-bench`` (plain + the PyTorch head). Rounds alternate the order so that
 the machine's drift falls on every method alike; a method's tokens/s is its median over rounds.
 Also measured, to explain the step: llama.cpp's forward of k new tokens through the target (what
@@ -92,30 +92,33 @@ def first_turns(args: argparse.Namespace) -> tuple[list[str], list[list[int]]]:
     return [q.id for q in questions], [first_turn_ids(target, q).tolist() for q in questions]
 
 
-def llamacpp_methods(args: argparse.Namespace, drafts: dict[str, Path]) -> dict[str, dict]:
+def llamacpp_methods(args: argparse.Namespace, drafts: dict[tuple[str, str], Path]) -> dict[str, dict]:
     """Each llama.cpp method's job settings (llamacpp_generate.py), plain first; ``drafts``: the
-    head's GGUF exports by weight type (:func:`exports`)."""
+    heads' GGUF exports by (head kind, weight type) (:func:`exports`)."""
     methods: dict[str, dict] = {"llamacpp_plain": {"speculative": "none"}}
-    for outtype, export in drafts.items():
+    for (kind, outtype), export in drafts.items():
         for n in args.draft_lengths:
             draft = str(export / "model.gguf")
-            methods[f"llamacpp_eagle3_{outtype}_n{n}"] = {"speculative": "eagle3", "draft": draft, "n_max": n}
+            methods[f"llamacpp_{kind}_{outtype}_n{n}"] = {"speculative": kind, "draft": draft, "n_max": n}
     for name, ngram in NGRAM_SETTINGS.items():
         methods[f"llamacpp_{name}"] = {"speculative": "ngram", "ngram": ngram}
     return methods
 
 
-def exports(args: argparse.Namespace) -> dict[str, Path]:
-    """--gguf's export dirs by their weight type (what specdraft-export recorded in config.json)."""
+def exports(args: argparse.Namespace) -> dict[tuple[str, str], Path]:
+    """--gguf's export dirs by their head kind (eagle3, dflash: llama.cpp's speculative type) and
+    weight type, as specdraft-export recorded them in config.json."""
     found = {}
     for export in args.gguf:
         config = export / "config.json"
         if not (export / "model.gguf").is_file() or not config.is_file():
             sys.exit(f"--gguf {export}: not a directory specdraft-export format=llamacpp wrote")
-        outtype = json.loads(config.read_text())["specdraft"]["outtype"]
-        if outtype in found:
-            sys.exit(f"--gguf {found[outtype]} and {export}: both {outtype}; give one export per weight type")
-        found[outtype] = export
+        written = json.loads(config.read_text())["specdraft"]
+        key = (written["kind"], written["outtype"])
+        if key in found:
+            both = " ".join(key)
+            sys.exit(f"--gguf {found[key]} and {export}: both {both}; give one export per head and type")
+        found[key] = export
     return found
 
 
