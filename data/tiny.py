@@ -3,10 +3,11 @@ in memory (no downloads).
 
 The default test tier runs everything on the tiny Llama; the decoding, feature and export
 invariants run on every family of :data:`TINY_FAMILIES` too, each built from transformers' own
-config class with what sets the family apart switched on at tiny sizes. The tokenizer mirrors SmolLM2's layout
-(``<|endoftext|>`` 0, ``<|im_start|>`` 1, ``<|im_end|>`` 2, a ChatML template with a default
-system prompt) so the tiny target exercises the same code paths as the real one; every other
-id is one byte, so any text round-trips.
+config class with what sets the family apart switched on at tiny sizes. The tokenizer puts a
+family's special tokens first, then one id per byte, so any text round-trips; the default (the
+Llama's and Qwen's) mirrors SmolLM2's layout (``<|endoftext|>`` 0, ``<|im_start|>`` 1,
+``<|im_end|>`` 2, a ChatML template with a default system prompt) so the tiny target exercises
+the same code paths as the real one, the others their family's chat layout.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ TINY_FAMILIES = {
     # q/k norms, windowed layers with their own rotary base, √hidden embedding scale, (1 + w) norms
     "gemma3_text": TinyFamily(
         "Gemma3TextConfig",
-        {"sliding_window": TINY_SLIDING_WINDOW, "layer_types": ["sliding_attention", "full_attention"] * 2},
+        {"sliding_window": TINY_SLIDING_WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
         tied=False,
         chat=GEMMA_CHAT,
     ),
@@ -194,6 +195,10 @@ def tiny_random_target(
         raise ValueError(f"tiny target family {family!r}: expected one of {sorted(TINY_FAMILIES)}")
     spec = TINY_FAMILIES[family]
     tokenizer = spec.chat.tokenizer()
+    features = dict(spec.features)
+    if "layer_types" in features:  # a pattern, repeated over the layers
+        pattern = features["layer_types"]
+        features["layer_types"] = [pattern[i % len(pattern)] for i in range(num_layers)]
     config: PretrainedConfig = getattr(transformers, spec.config_class)(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -209,7 +214,7 @@ def tiny_random_target(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **spec.features,
+        **features,
     )
     config._attn_implementation = attn_implementation or spec.attention
     generator_state = torch.random.get_rng_state()

@@ -58,13 +58,14 @@ def decoder_features(
     or None: causal, which transformers windows itself) on ``cache``: hidden B×n×H (after the
     final norm) and the aux layers' B×n×k·H (None without ``aux_layer_ids``). A windowed target's
     layers each get ``mask`` with their window applied (:func:`windowed_masks`)."""
-    if mask is not None:
-        n = positions.shape[-1]
+    windows = attention_windows(decoder.config)
+    if mask is not None and any(window is not None for window in windows.values()):
         written = cache.write_index
         if written is None:
+            n = positions.shape[-1]
             written = torch.arange(cache.write_at, cache.write_at + n, device=positions.device)
         keys = column_positions(mask.shape[-1], written, positions)
-        mask = windowed_masks(mask, attention_windows(decoder.config), positions, keys)
+        mask = windowed_masks(mask, windows, positions, keys)
     output = decoder(
         input_ids=input_ids,
         position_ids=positions,
