@@ -6,10 +6,12 @@ embedding scale and (1 + w) norms, Phi-3's fused projections):
 
 * the family's chat layout masks exactly the answers and their turn ends;
 * plain decoding equals the model's own forward, token by token (no cache, transformers' masks);
-* greedy speculative output == plain output for every head kind × shape, and in a batch;
+* greedy speculative output == plain output for every head kind × shape (``shape: auto`` too),
+  and in a batch;
 * sampling reproduces the target's distribution (chi-square) on Gemma 2, whose logits are capped;
 * regeneration equals ``generate`` prompt by prompt, and the features it captures a forward;
-* packed (oneDNN) linears decode as the model's own;
+* packed (oneDNN) linears decode as the model's own; online and cached features agree; every
+  export format reads back bit for bit;
 * the frozen pieces a head reads are the target's as the target uses them.
 
 The windows are shorter than the tests' sequences, and the caps below a random model's logits,
@@ -27,10 +29,12 @@ import transformers
 from conftest import DIVERSE_INIT, prefix_chi_squares
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from test_autoshape import CANDIDATES
 from test_capture import MAX_NEW_TOKENS as CAPTURE_NEW_TOKENS
 from test_capture import TOP_K, assert_close_to_scale, prompts_and_eos
 from test_chat import TWO_TURNS, masked_runs
 from test_cli_errors import run_command
+from test_datamodule import test_online_and_cached_modes_give_the_same_batches as online_equals_cached
 from test_decode import (
     BLOCK,
     GREEDY,
@@ -44,6 +48,7 @@ from test_decode import (
     random_head,
     target_block_probabilities,
 )
+from test_export import trained_record
 from test_generate import reference
 
 from specdraft.data.capture import FeatureCapture
@@ -54,11 +59,13 @@ from specdraft.data.generate import greedy_generate
 from specdraft.data.packed_linear import pack_linear_weights
 from specdraft.data.target import check_target_family, load_hf_target, target_weights
 from specdraft.data.tiny import TINY_FAMILIES, tiny_random_target, tiny_tokenizer
+from specdraft.eval.autoshape import PLAIN, VerifyLatency, calibrate, choose_shape
 from specdraft.eval.batch import BatchRunner, speculative_generate_batch
-from specdraft.eval.decode import plain_generate, speculative_generate
+from specdraft.eval.decode import Typical, plain_generate, speculative_generate
 from specdraft.eval.drafters import Chain
-from specdraft.eval.methods import drafter_for_head
+from specdraft.eval.methods import build_method, drafter_for_head, tree_shape
 from specdraft.eval.runner import TargetRunner
+from specdraft.heads.formats import FORMATS, read_export, write_export
 from specdraft.heads.registry import build_head
 from specdraft.train import cli as train_cli
 
@@ -67,6 +74,12 @@ FAMILY_NAMES = sorted(TINY_FAMILIES)
 KINDS = ["medusa", "eagle", "eagle3", "dflash"]
 DFLASH = {"num_layers": 1, "block_size": 5, "mask_token_id": None, "anchor_fraction": 0.5}
 BATCH_PROMPT_LENGTHS = (12, 5, 17)  # ragged rows
+EXPORT_KINDS = {
+    "eagle": {"fc_bias": False},
+    "eagle3": {"draft_vocab_size": 100},
+    "medusa": {"num_heads": 2, "num_layers": 1, "own_lm_head": False},
+    "dflash": {**DFLASH, "mask_token_id": 7},  # as a trained head records it: resolved
+}
 # Of the tensor's largest entry: the batches' different sums differ by ~2e-5 on some families
 # (Phi-3's fused projections); a shifted position or a missed row is off by O(1).
 CAPTURE_TOLERANCE = 1e-4
@@ -141,6 +154,47 @@ def test_greedy_speculative_equals_plain(target, plain, kind, shape):
         runner, drafter_for_head(head, SHAPES[shape]), prompt, MAX_NEW, GREEDY, ()
     )
     assert generation.tokens == expected
+
+
+def test_shape_auto_reproduces_plain_output(target, plain):
+    """``shape: auto`` (verification priced at half a plain step, so a tree wins): the chosen
+    shape decodes as plain decoding does."""
+    prompt, expected = plain
+    head = head_for(target, "eagle3")
+
+    def chooser(name, runner, drafter_for, candidates):
+        calibrations = calibrate(runner, [prompt], [expected])
+        latency = VerifyLatency(1.0, {2: 0.5, 64: 0.5})
+        return choose_shape(
+            drafter_for, tree_shape, candidates, calibrations, latency, runner, 0, progress=False
+        )
+
+    auto = {"type": "head", "checkpoint": "tiny", "shape": {"kind": "auto", "candidates": CANDIDATES}}
+    method = build_method(
+        "head_auto", auto, target, heads=lambda _: head, draft_model=lambda: None,
+        shortlist=lambda: None, eos_ids=(), max_new_tokens=MAX_NEW,
+        typical=Typical(epsilon=0.09, delta=0.3), choose_shape=chooser,
+    )  # fmt: skip
+    assert method.generate(prompt, GREEDY, 0).tokens == expected
+    assert method.details["auto_shape"]["chosen"]["kind"] != PLAIN
+
+
+@pytest.mark.parametrize("kind", list(EXPORT_KINDS))
+def test_every_export_reads_back_bit_for_bit(target, tmp_path, kind):
+    record = trained_record(target, kind, EXPORT_KINDS[kind])
+    lm_head = target_weights(target).lm_head
+    for format, info in FORMATS.items():
+        if kind not in info.holds():
+            continue
+        out = write_export(tmp_path / format, record, format, target_spec=target.spec, target_lm_head=lm_head)
+        back = read_export(out, target.spec, target_lm_head=lm_head)
+        assert back.kind == kind and set(back.state) == set(record.state)
+        assert all(torch.equal(back.state[key], value) for key, value in record.state.items()), format
+
+
+def test_online_and_cached_features_agree(family, tmp_path):
+    """On the family's default-init model, as the Llama's test (its tolerances fit those scales)."""
+    online_equals_cached(tmp_path, tiny_random_target(seed=0, family=family))
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
