@@ -34,6 +34,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from specdraft.data.assets import find_package_file, join_chunks
 from specdraft.data.chat import end_of_turn_token_id
@@ -98,13 +99,16 @@ def load_hf_target(
     name: str | None = None,
     trust_remote_code: bool = False,
 ) -> Target:
-    """Load an HF causal LM (hub id or local directory) as a frozen target."""
+    """Load an HF causal LM (hub id or local directory) as a frozen target. ``sdpa`` falls back
+    to transformers' eager attention for a model that has no SDPA path (Gemma 2's soft-capping)."""
     torch_dtype = resolve_dtype(dtype, device)
+    config = AutoConfig.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    check_family(config)  # before the weights load
     model = AutoModelForCausalLM.from_pretrained(
         name_or_path,
         revision=revision,
         dtype=torch_dtype,
-        attn_implementation=attn_implementation,
+        attn_implementation=supported_attention(config, attn_implementation),
         trust_remote_code=trust_remote_code,
     )
     tokenizer = AutoTokenizer.from_pretrained(
@@ -119,6 +123,15 @@ def load_hf_target(
         aux_layer_ids=aux_layer_ids,
         extra_eos_tokens=extra_eos_tokens,
     )
+
+
+def supported_attention(config, requested: str) -> str:
+    """``requested``, or ``eager`` where it is ``sdpa`` and the model class has no SDPA path."""
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if requested == "sdpa" and model_class is not None and not getattr(model_class, "_supports_sdpa", True):
+        log.info("%s has no SDPA attention: it runs transformers' eager attention", model_class.__name__)
+        return "eager"
+    return requested
 
 
 def load_gguf_target(

@@ -271,6 +271,21 @@ def test_a_head_reads_the_embedding_and_final_norm_as_the_target_uses_them(targe
         torch.testing.assert_close(normed, hidden * rms * weights.final_norm)
 
 
+def test_a_model_without_sdpa_loads_with_eager_attention(tmp_path):
+    """target.attn_implementation=sdpa (every config's default) on a Gemma 2 directory: it loads
+    with transformers' eager attention (it has no SDPA path) and decodes as the model built here."""
+    built = tiny_random_target(seed=0, initializer_range=DIVERSE_INIT, family="gemma2")
+    built.model.save_pretrained(tmp_path)
+    built.tokenizer.save_pretrained(tmp_path)
+    loaded = load_hf_target(
+        str(tmp_path), dtype="float32", attn_implementation="sdpa", aux_layer_ids=(1, 2, 3)
+    )
+    assert loaded.model.config._attn_implementation == "eager"
+    prompt = prompt_ids(built)
+    decode = [plain_generate(TargetRunner(t), prompt, MAX_NEW, GREEDY, ()).tokens for t in (built, loaded)]
+    assert decode[0] == decode[1]
+
+
 @pytest.fixture(scope="module")
 def granite_dir(tmp_path_factory) -> Path:
     """A tiny random Granite saved as an HF directory: a family specdraft does not decode (its
