@@ -315,7 +315,8 @@ def norm_scale(norm: torch.nn.Module, eps: float) -> torch.Tensor:
 
 
 def target_weights(target: Target) -> TargetWeights:
-    """The frozen tensors a draft head computes with (shared with the model, not copied)."""
+    """The frozen tensors a draft head computes with, shared with the model, not copied (the
+    final norm's scale is computed where the norm does not multiply by its weight: Gemma's 1 + w)."""
     model = target.model
     decoder = model.get_decoder()
     if not hasattr(decoder, "norm"):
