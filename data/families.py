@@ -13,39 +13,24 @@ proven by the invariant tests on a tiny random model of it (``data/tiny.py``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from torch import Tensor, nn
 
 from specdraft.heads.frozen import soft_cap
 
-
-@dataclass(frozen=True)
-class Family:
-    """A decoder family (transformers' ``model_type``): its name, and what it needs (README's
-    table of supported targets)."""
-
-    name: str
-    needs: str
-
-
-FAMILIES = {
-    "llama": Family("Llama (Llama 2/3, SmolLM2)", "nothing beyond the decoder"),
-    "qwen2": Family("Qwen2 / Qwen2.5", "q/k/v biases; its window, where use_sliding_window sets it"),
-    "qwen3": Family("Qwen3", "per-head q/k norms; its window, where use_sliding_window sets it"),
-    "mistral": Family("Mistral", "a sliding window on every layer (masked; every key is kept)"),
-    "gemma2": Family(
-        "Gemma 2",
-        "windowed and global layers alternating, attention and final logit soft-capping (eager "
-        "attention), a √hidden embedding scale and (1 + w) norms (heads read both as the target does)",
-    ),
-    "gemma3_text": Family(
-        "Gemma 3 (text)",
-        "windowed and global layers with their own rotary bases (heads take the global one), q/k norms, "
-        "a √hidden embedding scale and (1 + w) norms",
-    ),
-    "phi3": Family("Phi-3", "fused q/k/v and gate/up projections"),
-}
+# transformers' model_type of each family, and what it needs beyond the Llama decoder.
+FAMILIES = frozenset(
+    {
+        "llama",  # Llama 2/3, SmolLM2
+        "qwen2",  # Qwen2 / Qwen2.5: q/k/v biases; its window where use_sliding_window sets it
+        "qwen3",  # q/k norms per head; its window where use_sliding_window sets it
+        "mistral",  # a sliding window on every layer (masked; every key is kept)
+        "gemma2",  # alternating windows, attention and final soft-capping (eager attention), √H
+        # embedding scale, (1 + w) norms
+        "gemma3_text",  # windowed and global layers with their own rotary bases, q/k norms, √H
+        # embedding scale, (1 + w) norms
+        "phi3",  # fused q/k/v and gate/up projections
+    }
+)
 
 
 class UnsupportedTarget(ValueError):

@@ -29,6 +29,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from specdraft.data.attention import attention_windows
 from specdraft.data.families import output_logits
 from specdraft.data.kv_cache import PositionalKVCache
 from specdraft.data.target import Target
@@ -70,6 +71,7 @@ class BatchRunner:
         self.device, self.dtype = target.device, target.dtype
         self._decoder = self.model.get_decoder()
         self._logits = partial(output_logits, self.model.config, self.model.get_output_embeddings())
+        self._windows = attention_windows(self.model.config)
         self.cache = PositionalKVCache.for_model(self.model, self.dtype, self.device)
         self._masked = torch.finfo(self.dtype).min
         self.lengths: list[int] = []
@@ -103,6 +105,7 @@ class BatchRunner:
                 tokens.to(self.device),
                 (lengths[:, None] + depths.to(self.device)),
                 mask[:, None],
+                self._windows,
             )
         finally:
             cache.write_index, cache.read_length = None, None

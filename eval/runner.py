@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -53,12 +54,13 @@ def decoder_features(
     input_ids: Tensor,
     positions: Tensor,
     mask: Tensor | None,
+    windows: dict[str | None, int | None],
 ) -> tuple[Tensor, Tensor | None]:
     """The target's decoder over input_ids, positions B×n with ``mask`` (B×1×n×keys additive,
     or None: causal, which transformers windows itself) on ``cache``: hidden B×n×H (after the
     final norm) and the aux layers' B×n×k·H (None without ``aux_layer_ids``). A windowed target's
-    layers each get ``mask`` with their window applied (:func:`windowed_masks`)."""
-    windows = attention_windows(decoder.config)
+    layers each get ``mask`` with their window applied (:func:`windowed_masks`; ``windows``: the
+    decoder's :func:`attention_windows`, found once by the caller)."""
     if mask is not None and any(window is not None for window in windows.values()):
         written = cache.write_index
         if written is None:
@@ -120,6 +122,8 @@ class TargetRunner:
                 raise ValueError(f"aux layer id {layer_id} out of range 0..{num_layers - 1}")
         self.device, self.dtype = target.device, target.dtype
         self._decoder = compiled_step(decoder) if compile else decoder
+        self._windows = attention_windows(self.model.config)
+        self._logits = partial(output_logits, self.model.config, self.model.get_output_embeddings())
         self.cache = PositionalKVCache.for_model(self.model, self.dtype, self.device)
         self.static = graphs
         self._static_step = GraphedStep(self._step, enabled=graphs)
@@ -144,11 +148,10 @@ class TargetRunner:
         (logits n×V, hidden n×H[, aux n×k·H])."""
         self.cache.write_index = write_index
         hidden, aux = decoder_features(
-            self._decoder, self.cache, self.aux_layer_ids, input_ids, positions, mask
+            self._decoder, self.cache, self.aux_layer_ids, input_ids, positions, mask, self._windows
         )
         hidden = hidden[0]
-        # target dtype: fp32 copies cost ms per tree
-        logits = output_logits(self.model.config, self.model.get_output_embeddings(), hidden)
+        logits = self._logits(hidden)  # target dtype: fp32 copies cost ms per tree
         return (logits, hidden) if aux is None else (logits, hidden, aux[0])
 
     @torch.no_grad()

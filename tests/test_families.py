@@ -30,6 +30,8 @@ from conftest import DIVERSE_INIT, prefix_chi_squares
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from test_autoshape import CANDIDATES
+from test_block_drafter import CONFIG as DFLASH_CONFIG
+from test_block_drafter import dflash_head
 from test_capture import MAX_NEW_TOKENS as CAPTURE_NEW_TOKENS
 from test_capture import TOP_K, assert_close_to_scale, prompts_and_eos
 from test_chat import TWO_TURNS, masked_runs
@@ -66,19 +68,17 @@ from specdraft.eval.drafters import Chain
 from specdraft.eval.methods import build_method, drafter_for_head, tree_shape
 from specdraft.eval.runner import TargetRunner
 from specdraft.heads.formats import FORMATS, read_export, write_export
-from specdraft.heads.registry import build_head
 from specdraft.train import cli as train_cli
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 FAMILY_NAMES = sorted(TINY_FAMILIES)
 KINDS = ["medusa", "eagle", "eagle3", "dflash"]
-DFLASH = {"num_layers": 1, "block_size": 5, "mask_token_id": None, "anchor_fraction": 0.5}
 BATCH_PROMPT_LENGTHS = (12, 5, 17)  # ragged rows
 EXPORT_KINDS = {
     "eagle": {"fc_bias": False},
     "eagle3": {"draft_vocab_size": 100},
     "medusa": {"num_heads": 2, "num_layers": 1, "own_lm_head": False},
-    "dflash": {**DFLASH, "mask_token_id": 7},  # as a trained head records it: resolved
+    "dflash": {**DFLASH_CONFIG, "mask_token_id": 7},  # as a trained head records it: resolved
 }
 # Of the tensor's largest entry: the batches' different sums differ by ~2e-5 on some families
 # (Phi-3's fused projections); a shifted position or a missed row is off by O(1).
@@ -103,14 +103,7 @@ def plain(target):
 
 
 def head_for(target, kind: str):
-    if kind != "dflash":
-        return random_head(target, kind)
-    torch.manual_seed(1)
-    head = build_head("dflash", DFLASH, target.spec, target_weights(target))
-    with torch.no_grad():
-        for parameter in head.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.05)
-    return head.eval()
+    return dflash_head(target) if kind == "dflash" else random_head(target, kind)
 
 
 def test_every_supported_family_has_a_tiny_model_and_a_target_config():
