@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import DIVERSE_INIT, prefix_chi_squares
+from conftest import DIVERSE_INIT, assert_validated, compose_train, prefix_chi_squares
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from test_autoshape import CANDIDATES
@@ -67,8 +67,9 @@ from specdraft.eval.decode import Typical, plain_generate, speculative_generate
 from specdraft.eval.drafters import Chain
 from specdraft.eval.methods import build_method, drafter_for_head, tree_shape
 from specdraft.eval.runner import TargetRunner
-from specdraft.heads.formats import FORMATS, read_export, write_export
+from specdraft.heads.formats import FORMATS, FormatError, read_checkpoint, read_export, write_export
 from specdraft.train import cli as train_cli
+from specdraft.train.llamacpp import check_servable
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 FAMILY_NAMES = sorted(TINY_FAMILIES)
@@ -79,6 +80,20 @@ EXPORT_KINDS = {
     "eagle3": {"draft_vocab_size": 100},
     "medusa": {"num_heads": 2, "num_layers": 1, "own_lm_head": False},
     "dflash": {**DFLASH_CONFIG, "mask_token_id": 7},  # as a trained head records it: resolved
+}
+# What each family's target is served by (the engines' sources, heads/formats FORMATS): Gemma's
+# scaled embeddings and its missing aux-state hand-over keep it to the engines that read neither.
+EVERY_FORMAT = set(FORMATS)
+LLAMA_DERIVED = EVERY_FORMAT - {"eagle"}  # the official EAGLE code loads Llama and Qwen targets only
+GEMMA = {"native", "medusa"}
+SERVING_FORMATS = {
+    "LlamaForCausalLM": EVERY_FORMAT,
+    "Qwen2ForCausalLM": EVERY_FORMAT,
+    "Qwen3ForCausalLM": EVERY_FORMAT,
+    "MistralForCausalLM": LLAMA_DERIVED,
+    "Phi3ForCausalLM": LLAMA_DERIVED,
+    "Gemma2ForCausalLM": GEMMA,
+    "Gemma3ForCausalLM": GEMMA,
 }
 # Of the tensor's largest entry: the batches' different sums differ by ~2e-5 on some families
 # (Phi-3's fused projections); a shifted position or a missed row is off by O(1).
@@ -174,15 +189,53 @@ def test_shape_auto_reproduces_plain_output(target, plain):
 
 @pytest.mark.parametrize("kind", list(EXPORT_KINDS))
 def test_every_export_reads_back_bit_for_bit(target, tmp_path, kind):
+    """Every format whose engine serves the family round-trips; the others are refused in one line
+    that names the target's architecture, and write nothing."""
     record = trained_record(target, kind, EXPORT_KINDS[kind])
     lm_head = target_weights(target).lm_head
     for format, info in FORMATS.items():
         if kind not in info.holds():
             continue
-        out = write_export(tmp_path / format, record, format, target_spec=target.spec, target_lm_head=lm_head)
+        out = tmp_path / format
+        if format not in SERVING_FORMATS[target.spec.architecture]:
+            with pytest.raises(FormatError, match=f"format {format}: .*{target.spec.architecture} target"):
+                write_export(out, record, format, target_spec=target.spec, target_lm_head=lm_head)
+            assert not out.exists()
+            continue
+        write_export(out, record, format, target_spec=target.spec, target_lm_head=lm_head)
         back = read_export(out, target.spec, target_lm_head=lm_head)
         assert back.kind == kind and set(back.state) == set(record.state)
         assert all(torch.equal(back.state[key], value) for key, value in record.state.items()), format
+
+
+def test_llamacpp_exports_are_refused_for_families_it_has_not_served(target):
+    record = trained_record(target, "eagle3", EXPORT_KINDS["eagle3"])
+    if target.spec.architecture == "LlamaForCausalLM":
+        check_servable(record)
+    else:
+        with pytest.raises(FormatError, match=f"not {target.spec.architecture}; format=vllm or native"):
+            check_servable(record)
+
+
+# The shortest run that still trains, validates and checkpoints: each family × kind costs ~1.5 s.
+TRAIN_SMOKE = [
+    "debug=smoke",
+    "trainer.max_steps=2",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=1",
+    "logger=none",
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_specdraft_train_trains_every_head_kind_on_the_family(family, target, tmp_path, kind):
+    target_config = "tiny_random" if family == "llama" else f"tiny_{family}"
+    cfg = compose_train(tmp_path, f"experiment={kind}", f"target={target_config}", *TRAIN_SMOKE)
+    summary = train_cli.train(cfg)
+    assert summary["global_step"] == 2
+    assert_validated(summary)
+    record = read_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
+    assert record.kind == kind and record.spec.architecture == target.spec.architecture
 
 
 def test_online_and_cached_features_agree(family, tmp_path):

@@ -7,7 +7,8 @@ llama.cpp, so llama.cpp's own converter writes it, fetched pinned by ``make llam
 Python that has its packages (``conf/export.yaml`` ``llamacpp``). This module:
 
 1. refuses what llama.cpp cannot serve, in one line: a head kind other than EAGLE-3 and DFlash, an
-   EAGLE-3 head that does not fuse exactly three target layers, a missing converter;
+   EAGLE-3 head that does not fuse exactly three target layers, a target family llama.cpp has not
+   served these drafts for (:data:`LLAMACPP_TARGETS`), a missing converter;
 2. writes the head in the layout the converter reads (:mod:`specdraft.heads.formats`: vLLM's for
    EAGLE-3, z-lab's for DFlash) and the target's HF config and tokenizer (the converter copies the
    vocabulary from them, and reads the target's architecture to pick its tokenizer code) into a
@@ -58,6 +59,9 @@ from specdraft.system.files import write_dir_atomic
 LLAMACPP_FORMAT = "llamacpp"
 LLAMACPP_EAGLE3_TAPS = 3  # llama.cpp's EAGLE-3 graph reads exactly three target layers
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # the converter's --outtype choices for a draft's matrices
+# The target architectures llama.cpp has served these exports for (tests/test_interop_llamacpp.py):
+# the converter and llama.cpp's tap capture are per architecture, so others are refused, not guessed.
+LLAMACPP_TARGETS = ("LlamaForCausalLM",)
 FETCHED_MARKER = "FETCHED"  # scripts/interop/fetch_llamacpp.py writes it last: the pinned version
 CONVERTER_TAIL_LINES = 5  # of a failed converter's output, in the error
 QUANT_TYPES = {
@@ -198,6 +202,11 @@ def check_servable(record: HeadRecord) -> None:
         raise FormatError(
             f"format={LLAMACPP_FORMAT} exports {'/'.join(GGUF_LAYOUTS)} heads, not {record.kind!r}: "
             "llama.cpp serves no EAGLE-1/2 or Medusa drafts; format=vllm serves every EAGLE head in vLLM"
+        )
+    if record.spec.architecture not in LLAMACPP_TARGETS:
+        raise FormatError(
+            f"format={LLAMACPP_FORMAT} has been served by llama.cpp for {'/'.join(LLAMACPP_TARGETS)} "
+            f"targets only, not {record.spec.architecture}; format=vllm or native serve this head"
         )
     GGUF_LAYOUTS[record.kind].check(record)
 

@@ -20,6 +20,10 @@ checkpoint or an export is checked too), and the files must hold exactly the nam
 of the format (engines skip unknown names silently, which costs acceptance, not an error).
 No export carries the target's embedding; only a Medusa head that drafts through the target's
 own lm_head carries that real lm_head, because vLLM's Medusa has no other source for it.
+
+An engine serves a draft only for some target families (``Format.targets``, read from the
+engines' sources): a head exported for a target its engine does not serve is refused in one line
+before anything is written, instead of loading and drafting something else.
 """
 
 from __future__ import annotations
@@ -84,25 +88,62 @@ __all__ = [
 ]
 
 
+# Target architectures (transformers' class names, as TargetSpec.architecture holds them) of the
+# families whose models the engines give their drafts what the drafts read. vLLM (0.32): EAGLE-3
+# and DFlash need the target to hand over its aux hidden states (``SupportsEagle3``: Llama, Qwen2,
+# Qwen3, and Mistral and Phi-3, which subclass its Llama). vLLM's and SGLang's EAGLE drafts and
+# z-lab's DFlash draft embed tokens with the target's embedding matrix and no scale, so a Gemma
+# head, which scales its embeddings by √H as Gemma does, would draft from other inputs there.
+LLAMA_DERIVED_TARGETS = frozenset(
+    {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM"}
+)
+# The official EAGLE code (ea_model.py) builds its own KV-cached copy of Llama, Qwen2 and Qwen3
+# targets (and Mixtral) and no other.
+EAGLE_CODE_TARGETS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+UNSCALED_EMBEDDINGS = "its draft embeds tokens with the target's embedding, without Gemma's √H scale"
+
+
 @dataclass(frozen=True)
 class Format:
-    """kinds: the head kinds the layout holds (None: every registered kind); loaded_by: who reads it."""
+    """kinds: the head kinds the layout holds (None: every registered kind); loaded_by: who reads
+    it; targets: the target architectures it serves (None: every supported family), and why not
+    the others."""
 
     kinds: tuple[str, ...] | None
     loaded_by: str
+    targets: frozenset[str] | None = None
+    targets_why: str = ""
 
     def holds(self) -> tuple[str, ...]:
         return tuple(HEAD_KINDS) if self.kinds is None else self.kinds
 
+    def serves(self, spec: TargetSpec) -> bool:
+        return self.targets is None or spec.architecture in self.targets
 
+
+VLLM_TARGETS_WHY = (
+    f"vLLM hands aux hidden states only to Llama-derived and Qwen targets, and {UNSCALED_EMBEDDINGS}"
+)
 FORMATS = {
     "native": Format(None, "specdraft-eval / specdraft-bench"),
-    "eagle": Format(("eagle",), "the official SafeAILab/EAGLE code"),
-    "vllm": Format(("eagle", "eagle3", "dflash"), "vLLM"),
-    "speculators": Format(("eagle3", "dflash"), "vLLM (speculators format)"),
-    "sglang": Format(("eagle", "eagle3"), "SGLang"),
-    "medusa": Format(("medusa",), "vLLM Medusa"),
-    "dflash": Format(("dflash",), "the official z-lab/dflash code (DFlashDraftModel); vLLM"),
+    "eagle": Format(
+        ("eagle",),
+        "the official SafeAILab/EAGLE code",
+        EAGLE_CODE_TARGETS,
+        "it loads Llama, Qwen2 and Qwen3 targets only",
+    ),
+    "vllm": Format(("eagle", "eagle3", "dflash"), "vLLM", LLAMA_DERIVED_TARGETS, VLLM_TARGETS_WHY),
+    "speculators": Format(
+        ("eagle3", "dflash"), "vLLM (speculators format)", LLAMA_DERIVED_TARGETS, VLLM_TARGETS_WHY
+    ),
+    "sglang": Format(("eagle", "eagle3"), "SGLang", LLAMA_DERIVED_TARGETS, UNSCALED_EMBEDDINGS),
+    "medusa": Format(("medusa",), "vLLM Medusa"),  # it reads the last hidden state, which every target has
+    "dflash": Format(
+        ("dflash",),
+        "the official z-lab/dflash code (DFlashDraftModel); vLLM",
+        LLAMA_DERIVED_TARGETS,
+        UNSCALED_EMBEDDINGS,
+    ),
 }
 
 
@@ -132,6 +173,7 @@ def export_files(
             f"a head of kind {record.kind} exports as one of {fits}"
         )
     check_target(record.spec, target_spec, f"export {format}")
+    check_served(FORMATS[format], format, record)
     check_tensors(record.state, native_shapes(record), f"the {record.kind} head's weights")
     check_finite(record.state, f"the {record.kind} head")
     state = cast_floats(record.state, dtype)
@@ -160,6 +202,21 @@ def export_files(
     check_tensors(tensors, expected, f"format {format}")
     config[PROVENANCE_KEY] = {"format": format, "kind": record.kind, "head_config": dict(record.config)}
     return config, tensors
+
+
+def check_served(served_by: Format, format: str, record: HeadRecord) -> None:
+    """One line for a head whose target the format's engine does not serve."""
+    if not served_by.serves(record.spec):
+        fits = sorted(
+            name
+            for name, f in FORMATS.items()
+            if name != "native" and record.kind in f.holds() and f.serves(record.spec)
+        )
+        raise FormatError(
+            f"format {format}: {served_by.loaded_by} does not serve a {record.kind} head for a "
+            f"{record.spec.architecture} target ({served_by.targets_why}); this head exports as "
+            f"{' / '.join([*fits, 'native'])}"
+        )
 
 
 def write_export(
