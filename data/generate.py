@@ -167,7 +167,9 @@ class _ContinuousBatch:
         # similar length together keep that window small (longest first measured 25 % slower on a CPU).
         self.queue = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
         batch = min(batch_size, len(self.queue))
-        capacity = max(len(p) for p in prompts) + max_new_tokens
+        # A capture feeds each answer's last token once more: one column past the answer, which
+        # an ended row keeps until it leaves the batch, while rows that started later still run.
+        capacity = max(len(p) for p in prompts) + max_new_tokens + (capture is not None)
         self.slots = Slots(model, batch, capacity, self.device, window_grain)
         self.owner = [-1] * batch
         self.tokens = torch.full((batch,), pad_token_id, dtype=torch.long)

@@ -4,6 +4,7 @@ forward over the same tokens (fp32), through refills, compactions and rows that 
 import pytest
 import torch
 
+from specdraft.data import generate
 from specdraft.data.capture import FeatureCapture
 from specdraft.data.chat import TokenizedConversation
 from specdraft.data.features import collate, extract_features
@@ -77,6 +78,20 @@ def test_captured_features_equal_a_full_forward(target, batch_size, device):
         assert torch.equal(captured.topk_ids[read], reference.topk_ids[index, read].cpu())
         assert not captured.topk_probs[: read.start].any() and not captured.topk_ids[: read.start].any()
     assert not capture._pieces  # every sequence handed over once
+
+
+def test_an_ended_longest_row_waits_in_the_batch_past_its_answer(target, monkeypatch):
+    """Two prompts of the longest length prefilled at different times: the first ends (its last
+    token fed once more, one column past its answer) and waits in the batch, uncompacted, while
+    the second still runs. The cache holds that column too."""
+    monkeypatch.setattr(generate, "COMPACT_FRACTION", 1.0)  # ended rows stay while any row runs
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 100, (n,), generator=generator).tolist() for n in (5, 10, 10)]
+    capture = FeatureCapture(target.model, target.spec.aux_layer_ids, TOP_K)
+    answers = greedy_generate(target.model, prompts, 4, set(), batch_size=2, capture=capture)
+    assert answers == greedy_generate(target.model, prompts, 4, set(), batch_size=2)
+    for index, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
+        assert capture.pop(index).hidden.shape[0] == len(prompt) + len(answer)
 
 
 def test_without_aux_or_top_k_only_hidden_states(target):

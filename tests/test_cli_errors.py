@@ -317,6 +317,20 @@ def corrupt_checkpoint(tmp_path: Path) -> Path:
             ],
             "plan.json: not a cache file of ours (expected a JSON object with format_version",
         ),
+        (
+            train_cli.main,
+            "specdraft-train",
+            lambda t: [
+                "experiment=eagle3",
+                "debug=smoke",
+                "head.config.draft_vocab_size=64",  # asks the caches for their top-k first
+                "datamodule=cached",
+                f"datamodule.train_cache={write_file(t / 'c' / 'capture.json', b'{}').parent}",
+                f"datamodule.val_cache={t / 'c'}",
+                f"paths.output_dir={t / 'run'}",
+            ],
+            "manifest.json not found: the cache is unfinished",
+        ),
         (sweep_report.main, "specdraft-sweep-report", lambda t: [str(t / "no-sweep-here")], "no-sweep-here"),
         (
             depth_acceptance.main,

@@ -274,7 +274,9 @@ def features_for_objective(cfg: DictConfig) -> None:
     weights = OmegaConf.select(cfg, "loss.weights", default=None) or {}
     wanted = weights.get("topk_k", 1) if weights.get("topk", 0) > 0 else 1
     if cfg.datamodule.mode == "cached":
-        lacking = [d for d in cache_directories(cfg.datamodule) if stored_top_k(d) < wanted]
+        # A directory without a manifest (None) is not a finished cache: opening it says so, in one line.
+        stored = {d: stored_top_k(d) for d in cache_directories(cfg.datamodule)}
+        lacking = [d for d, k in stored.items() if k is not None and k < wanted]
         if lacking:
             log.info(
                 "%s: %s stores fewer than the top-%d, so the target's argmax is computed from its"
