@@ -257,10 +257,10 @@ def serve_and_compare(target, export_dir: Path, job: dict, prompts, plain, work:
 
 # A target of another family than Llama, served by vLLM with our head: a tiny random Qwen3 (per-head
 # q/k norms; the family most drafts are trained for today) wide enough for vLLM's CPU attention
-# (head_dim 32: it runs 32 and up), heads trained here on the tiny chats, prompts from the same
-# chats. At the default init the model answers one token forever, which these heads never draft;
-# at 0.1 its answers vary and the heads accept a few percent: enough for the engines' counts to be
-# compared, and a head vLLM did not load accepts nothing.
+# (head_dim 32: it runs 32 and up). Its heads train as a user's would: on the target's own answers to
+# the tiny chats, features captured by specdraft-regen. At the default init the model answers one
+# token forever; at 0.1 its answers vary, and 300 steps (~20 s each head) draft a fifth of its first
+# tokens right: enough acceptance at every position for the engines' counts to be compared.
 FAMILY_TARGET = {
     "family": "qwen3",
     "hidden_size": 128,
@@ -268,43 +268,68 @@ FAMILY_TARGET = {
     "aux_layer_ids": [1, 2, 3],
     "initializer_range": 0.1,
 }
-FAMILY_HEAD_STEPS = 60
-FAMILY_PROMPTS = 8
+FAMILY_TARGET_OVERRIDES = [
+    f"target=tiny_{FAMILY_TARGET['family']}",
+    *(f"++target.{key}={value}" for key, value in FAMILY_TARGET.items() if key != "family"),
+]
+FAMILY_CHATS = 400  # the tiny chats the target answers for its heads (~25k answer tokens)
+FAMILY_HEAD_STEPS = 300
+FAMILY_PROMPTS = 8  # served prompts: tiny chats of another seed
 
 
-@pytest.mark.parametrize(("kind", "format"), [("eagle3", "vllm"), ("dflash", "speculators")])
-def test_vllm_serves_a_head_for_a_qwen3_target(tmp_path, kind, format):
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """The tiny Qwen3 as a model directory, its answers' features for training, and vLLM's plain
+    output on the served prompts."""
     require_vllm()
+    work = tmp_path_factory.mktemp("interop-qwen3")
     target = tiny_random_target(**FAMILY_TARGET)
-    serving = write_serving_target(target, tmp_path / "target")
-    target_config = {"_target_": "specdraft.data.tiny.tiny_random_target", **FAMILY_TARGET}
-    run_dir = tmp_path / "train"
-    overrides = [f"++target.{key}={value}" for key, value in FAMILY_TARGET.items() if key != "family"]
+    serving = write_serving_target(target, work / "target")
     command = [
-        sys.executable, "-m", "specdraft.train.cli", f"experiment={kind}", "debug=smoke",
-        f"target=tiny_{FAMILY_TARGET['family']}", *overrides, f"trainer.max_steps={FAMILY_HEAD_STEPS}",
-        f"trainer.val_check_interval={FAMILY_HEAD_STEPS}", f"hydra.run.dir={run_dir}", "logger=none",
-        *HEAD_TRAIN_OVERRIDES[kind],
+        sys.executable, "-m", "specdraft.data.regen_cli", *FAMILY_TARGET_OVERRIDES, "data=tiny",
+        f"data.source.count={FAMILY_CHATS}", "split=all", "max_turns=1",
+        f"generation.max_new_tokens={MAX_NEW_TOKENS}", f"out_path={work / 'regen.jsonl'}",
+        f"features.dir={work / 'features'}", "features.aux_layers=true", "features.top_k=10",
+        "features.heldout_fraction=0.1", f"hydra.run.dir={work / 'regen'}", "progress=false",
     ]  # fmt: skip
     subprocess.run(command, check=True)
-    out = tmp_path / "export"
-    export(
-        OmegaConf.create(
-            {
-                "checkpoint": str(run_dir), "format": format, "out": str(out), "overwrite": False,
-                "dtype": None, "speculative_tokens": DEPTH, "verifier": str(serving),
-                "target": target_config, "paths": {"log_dir": str(tmp_path)},
-            }
-        )
-    )  # fmt: skip
     prompts = [
         chat_prompt(target, conversation.messages[0].content)
         for conversation in tiny_conversations(FAMILY_PROMPTS, seed=1).conversations
     ]
     job = {"model": str(serving), "dtype": "float32", "max_model_len": 512, "max_tokens": MAX_NEW_TOKENS}
-    plain = run_vllm({**job, "prompts": prompts}, tmp_path / "plain")["outputs"]
-    served = speculative_job(job, kind, format, out)
-    result = serve_and_compare(target, out, served, prompts, plain, tmp_path / "served")
+    plain = run_vllm({**job, "prompts": prompts}, work / "plain")["outputs"]
+    return {"target": target, "serving": serving, "work": work, "prompts": prompts, "job": job,
+            "plain": plain}  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "format"), [("eagle3", "vllm"), ("dflash", "speculators")])
+def test_vllm_serves_a_head_for_a_qwen3_target(qwen3, kind, format):
+    work, features = qwen3["work"] / kind, qwen3["work"] / "features"
+    command = [
+        sys.executable, "-m", "specdraft.train.cli", f"experiment={kind}", "debug=smoke",
+        *FAMILY_TARGET_OVERRIDES, "datamodule=cached", f"datamodule.train_cache={features / 'train'}",
+        f"datamodule.val_cache={features / 'heldout'}", f"trainer.max_steps={FAMILY_HEAD_STEPS}",
+        f"trainer.val_check_interval={FAMILY_HEAD_STEPS}", f"hydra.run.dir={work / 'train'}", "logger=none",
+        *HEAD_TRAIN_OVERRIDES[kind],
+    ]  # fmt: skip
+    subprocess.run(command, check=True)
+    out = work / "export"
+    export(
+        OmegaConf.create(
+            {
+                "checkpoint": str(work / "train"), "format": format, "out": str(out), "overwrite": False,
+                "dtype": None, "speculative_tokens": DEPTH, "verifier": str(qwen3["serving"]),
+                "target": {"_target_": "specdraft.data.tiny.tiny_random_target", **FAMILY_TARGET},
+                "paths": {"log_dir": str(work)},
+            }
+        )
+    )  # fmt: skip
+    served = speculative_job(qwen3["job"], kind, format, out)
+    result = serve_and_compare(
+        qwen3["target"], out, served, qwen3["prompts"], qwen3["plain"], work / "served"
+    )
     report = LOG_DIR / "interop" / f"vllm-{FAMILY_TARGET['family']}-{kind}-{format}.json"
     report.parent.mkdir(parents=True, exist_ok=True)
-    report.write_text(json.dumps({"target": FAMILY_TARGET, "prompts": len(prompts), **result}, indent=2))
+    result = {"target": FAMILY_TARGET, "prompts": len(qwen3["prompts"]), **result}
+    report.write_text(json.dumps(result, indent=2) + "\n")
