@@ -21,6 +21,7 @@ The same invariants run in depth on the tiny Llama (test_decode.py, test_batch.p
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -203,6 +204,9 @@ def test_every_export_reads_back_bit_for_bit(target, tmp_path, kind):
             assert not out.exists()
             continue
         write_export(out, record, format, target_spec=target.spec, target_lm_head=lm_head)
+        if format == "speculators":  # the format names the verifier it drafts for: this target
+            verifier = json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]
+            assert verifier["architectures"] == [target.spec.architecture]
         back = read_export(out, target.spec, target_lm_head=lm_head)
         assert back.kind == kind and set(back.state) == set(record.state)
         assert all(torch.equal(back.state[key], value) for key, value in record.state.items()), format
