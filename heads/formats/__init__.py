@@ -89,9 +89,10 @@ __all__ = [
 
 
 # Target architectures (transformers' class names, as TargetSpec.architecture holds them) of the
-# families whose models the engines give their drafts what the drafts read. vLLM (0.32): EAGLE-3
-# and DFlash need the target to hand over its aux hidden states (``SupportsEagle3``: Llama, Qwen2,
-# Qwen3, and Mistral and Phi-3, which subclass its Llama). vLLM's and SGLang's EAGLE drafts and
+# families whose models the engines give their drafts what the drafts read. EAGLE-3 and DFlash need
+# the target to hand over its aux hidden states: vLLM (0.32) does for Llama, Qwen2, Qwen3, and
+# Mistral and Phi-3, which subclass its Llama (``SupportsEagle3``); SGLang's Mistral and Phi-3
+# subclass its Llama too (``set_eagle3_layers_to_capture``). vLLM's and SGLang's EAGLE drafts and
 # z-lab's DFlash draft embed tokens with the target's embedding matrix and no scale, so a Gemma
 # head, which scales its embeddings by √H as Gemma does, would draft from other inputs there.
 LLAMA_DERIVED_TARGETS = frozenset(
