@@ -217,7 +217,15 @@ def test_llamacpp_exports_are_refused_for_families_it_has_not_served(target):
     if target.spec.architecture == "LlamaForCausalLM":
         check_servable(record)
     else:
-        with pytest.raises(FormatError, match=f"not {target.spec.architecture}; format=vllm or native"):
+        served = sorted(
+            f
+            for f in SERVING_FORMATS[target.spec.architecture] - {"native"}
+            if "eagle3" in FORMATS[f].holds()
+        )
+        listed = " / ".join([*served, "native"])
+        with pytest.raises(
+            FormatError, match=f"not {target.spec.architecture}; this head exports as {listed}$"
+        ):
             check_servable(record)
 
 

@@ -19,6 +19,7 @@ head serves, and short EAGLE-3 and DFlash heads are trained here first.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -131,10 +132,16 @@ def chat_prompt(target, text: str) -> list[int]:
     ]
 
 
+@functools.cache
+def vllm_unavailable_here() -> str | None:
+    """Why vLLM cannot run here, asked once per session (an import takes ~15 s)."""
+    return vllm_unavailable(VLLM_PYTHON, VLLM_IMPORT_TIMEOUT_S)
+
+
 def require_vllm() -> None:
     if not VLLM_PYTHON.is_file():
         pytest.skip(f"no vLLM venv at {VLLM_PYTHON} (make interop builds it)")
-    unavailable = vllm_unavailable(VLLM_PYTHON, VLLM_IMPORT_TIMEOUT_S)
+    unavailable = vllm_unavailable_here()
     if unavailable:  # the machine, not our exports: skip the tier with the reason
         pytest.skip(f"vLLM's CPU build cannot run on this machine: {unavailable}")
 
@@ -177,7 +184,7 @@ def setup(tmp_path_factory):
     }
     yield {"target": target, "serving": serving, "prompts": prompts, "plain": plain, "job": job,
            "heads": heads_dir(tmp_path_factory),
-           "work": work, "report": report, "decoded": {}}  # fmt: skip
+           "work": work, "report": report, "decoded": []}  # fmt: skip
     out = LOG_DIR / "interop" / "vllm.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
@@ -229,32 +236,25 @@ def test_vllm_serves_the_export(setup, kind, format):
 
 
 def serve_and_compare(
-    target, export_dir: Path, job: dict, prompts, plain, work: Path, decoded: dict | None = None
+    target, export_dir: Path, job: dict, prompts, plain, work: Path, decoded: list | None = None
 ) -> dict:
     """vLLM serves ``export_dir`` (``job``); its output must equal its ``plain`` output prompt by
     prompt, and its per-position acceptance specdraft's, with the head read back from the same
     files, within ACCEPTANCE_TOLERANCE. Returns both sides' numbers for the report.
 
-    decoded: specdraft's decodes so far, by head weights: a head read back bit for bit equal to
-    one decoded already (the same head in another format) reuses its generations."""
+    decoded: (head weights, generations) of specdraft's decodes so far: a head read back bit for
+    bit equal to one decoded already (the same head in another format) reuses its generations."""
     served = run_vllm({**job, "prompts": prompts}, work)
     vllm = vllm_acceptance(served["metrics"], DEPTH)
 
     head = load_head(export_dir, target)  # the engine's files, read back by specdraft
     state = head.state_dict()
     started = time.perf_counter()
-    ours = next(
-        (
-            generations
-            for weights, generations in (decoded or {}).values()
-            if weights.keys() == state.keys() and all(torch.equal(weights[k], state[k]) for k in state)
-        ),
-        None,
-    )
+    ours = next((generations for weights, generations in decoded or () if same_weights(weights, state)), None)
     if ours is None:
         ours = specdraft_chain_decode(target, head, prompts, DEPTH, MAX_NEW_TOKENS)
         if decoded is not None:
-            decoded[export_dir] = (state, ours)
+            decoded.append((state, ours))
     specdraft_seconds = time.perf_counter() - started
     specdraft = chain_acceptance(ours, DEPTH)
     same_as_plain = sum(a == b for a, b in zip(served["outputs"], plain, strict=True))
@@ -278,6 +278,10 @@ def serve_and_compare(
     for position, (a, b) in enumerate(zip(vllm.rates, specdraft.rates, strict=True)):
         assert abs(a - b) <= ACCEPTANCE_TOLERANCE, f"position {position}: vLLM {a:.3f} vs specdraft {b:.3f}"
     return result
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 # A target of another family than Llama, served by vLLM with our head: a tiny random Qwen3 (per-head

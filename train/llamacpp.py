@@ -46,7 +46,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from specdraft.data.target import Target
-from specdraft.heads.formats import FormatError, HeadRecord, export_files
+from specdraft.heads.formats import FormatError, HeadRecord, export_files, serving_formats
 from specdraft.heads.formats.files import (
     CONFIG_FILE,
     GGUF_FILE,
@@ -206,7 +206,8 @@ def check_servable(record: HeadRecord) -> None:
     if record.spec.architecture not in LLAMACPP_TARGETS:
         raise FormatError(
             f"format={LLAMACPP_FORMAT} has been served by llama.cpp for {'/'.join(LLAMACPP_TARGETS)} "
-            f"targets only, not {record.spec.architecture}; format=vllm or native serve this head"
+            f"targets only, not {record.spec.architecture}; this head exports as "
+            f"{' / '.join(serving_formats(record))}"
         )
     GGUF_LAYOUTS[record.kind].check(record)
 

@@ -84,6 +84,7 @@ __all__ = [
     "read_checkpoint",
     "read_export",
     "read_head",
+    "serving_formats",
     "write_export",
 ]
 
@@ -205,18 +206,23 @@ def export_files(
     return config, tensors
 
 
+def serving_formats(record: HeadRecord) -> list[str]:
+    """The formats that hold ``record``'s kind and whose engines serve its target (native last)."""
+    fits = sorted(
+        name
+        for name, f in FORMATS.items()
+        if name != "native" and record.kind in f.holds() and f.serves(record.spec)
+    )
+    return [*fits, "native"]
+
+
 def check_served(served_by: Format, format: str, record: HeadRecord) -> None:
     """One line for a head whose target the format's engine does not serve."""
     if not served_by.serves(record.spec):
-        fits = sorted(
-            name
-            for name, f in FORMATS.items()
-            if name != "native" and record.kind in f.holds() and f.serves(record.spec)
-        )
         raise FormatError(
             f"format {format}: {served_by.loaded_by} does not serve a {record.kind} head for a "
             f"{record.spec.architecture} target ({served_by.targets_why}); this head exports as "
-            f"{' / '.join([*fits, 'native'])}"
+            f"{' / '.join(serving_formats(record))}"
         )
 
 
