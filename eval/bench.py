@@ -49,6 +49,7 @@ RECORDS = "records.jsonl"
 RUN_CONFIG = "run_config.json"
 REPORT = "report.json"
 TIME_BOX = "time_box.json"  # the clock of a time-boxed run, across resumes
+WARMUP_QUESTIONS = 1  # what warm_up answers with every method, unrecorded (inside a time box)
 # Turn t of a question samples with seed + TURN_SEED_STRIDE·t: each turn its own stream, every
 # method the same one (a question's seed: the run's seed + a hash of its id).
 TURN_SEED_STRIDE = 1000
@@ -99,14 +100,25 @@ def prepare_output_dir(
 
 
 def _time_box(out_dir: Path, max_seconds: float | None) -> dict[str, Any] | None:
-    """The time box's clock: the seconds and questions spent under this same box so far."""
+    """The time box's clock: the seconds and questions spent under this same box so far, and the
+    seconds its warm-ups took (one per start, resumes included)."""
     if max_seconds is None:
         return None
     path = out_dir / TIME_BOX
     stored = json.loads(path.read_text()) if path.is_file() else {}
     if stored.get("max_seconds") == max_seconds:
-        return stored
-    return {"max_seconds": max_seconds, "spent_s": 0.0, "units": 0}
+        return {"warmup_s": 0.0, **stored}
+    return {"max_seconds": max_seconds, "spent_s": 0.0, "units": 0, "warmup_s": 0.0}
+
+
+def box_is_full(box: dict[str, Any]) -> bool:
+    """Whether one more question, as long as the mean question so far, would end past the box.
+    The warm-ups count (each answers the longest first turn once with every method). The first
+    question always runs."""
+    if not box["units"]:
+        return False
+    mean_s = box["spent_s"] / box["units"]
+    return box["warmup_s"] + box["spent_s"] + mean_s > box["max_seconds"]
 
 
 def read_records(out_dir: Path) -> list[dict[str, Any]]:
@@ -223,32 +235,32 @@ def run_benchmark(
     once, unrecorded, so one-time costs (CUDA graph captures, cache growth, lazy kernel
     selection, a draft model's first load) do not land on whichever method meets them first.
 
-    ``max_seconds``: a time box. No question is started that would end past it (judged by the
-    mean question so far); the report covers the questions done and says how many were left
-    (``time_box``). The time spent is kept in ``time_box.json``, so resuming under the same box
-    continues its clock (a finished box stays finished); another box, or none, starts afresh.
-    Questions run in the given order, so a balanced order keeps a cut-short run balanced."""
+    ``max_seconds``: a time box, warm-up included. No question is started that would end past it
+    (judged by the mean question so far, :func:`box_is_full`); the report covers the questions
+    done and says how many were left (``time_box``). The time spent is kept in ``time_box.json``,
+    so resuming under the same box continues its clock (a finished box stays finished, and warms
+    up no more); another box, or none, starts afresh. Questions run in the given order, so a
+    balanced order keeps a cut-short run balanced."""
     check_plain_first(methods)
     done = prepare_output_dir(out_dir, config, resume)
     units = [(q, t) for q in questions for t in temperatures if (q.id, float(t)) not in done]
     if done:
         log.info("resuming %s: %d units done, %d to go", out_dir, len(done), len(units))
     box = _time_box(out_dir, max_seconds)
-    if warmup and units:
+    if warmup and units and not (box is not None and box_is_full(box)):
+        warmup_started = time.perf_counter()
         warm_up(target, [question for question, _ in units], methods, sampling_for(units[0][1]), seed)
+        if box is not None:
+            box["warmup_s"] += time.perf_counter() - warmup_started
     left = 0
     for done_here, (question, temperature) in enumerate(
         tqdm(units, desc="bench", unit="question", disable=not progress)
     ):
-        if (
-            box is not None
-            and box["units"]
-            and box["spent_s"] * (box["units"] + 1) / box["units"] > max_seconds
-        ):
+        if box is not None and box_is_full(box):
             left = len(units) - done_here
             log.warning(
-                "time box of %.0f s: stopping after %d questions (%.0f s), %d left undone",
-                max_seconds, box["units"], box["spent_s"], left,
+                "time box of %.0f s: stopping after %d questions (%.0f s, warm-up %.0f s), %d left undone",
+                max_seconds, box["units"], box["spent_s"], box["warmup_s"], left,
             )  # fmt: skip
             break
         unit_started = time.perf_counter()

@@ -18,6 +18,7 @@ from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
 from specdraft.data.cache import StoredFields
+from specdraft.eval.bench import WARMUP_QUESTIONS
 from specdraft.recipes.budget import (
     SECONDS_PER_MINUTE,
     BudgetError,
@@ -164,7 +165,8 @@ def eval_box_minutes(
     what this machine's decoding of ``trees`` needs, within [eval_min_minutes, eval_share × budget]
     (None when the eval was not probed)."""
     eval_minutes = cfg.eval.max_minutes
-    turns = MT_BENCH_CATEGORIES * cfg.eval.per_category * cfg.eval.max_turns
+    # the bench's warm-up answers within its box too
+    turns = MT_BENCH_CATEGORIES * cfg.eval.per_category * cfg.eval.max_turns + WARMUP_QUESTIONS
     estimate_s = eval_seconds(throughput, rules, trees, turns, cfg.eval.max_new_tokens)
     if eval_minutes is None and estimate_s is not None:
         needed = max(rules.eval_min_minutes, estimate_s / SECONDS_PER_MINUTE)

@@ -16,7 +16,7 @@ from omegaconf import open_dict
 import specdraft.conf
 from specdraft.data.target import target_weights
 from specdraft.data.tiny import tiny_random_target
-from specdraft.eval.bench import RECORDS, BenchDirError, machine_info
+from specdraft.eval.bench import RECORDS, TIME_BOX, BenchDirError, box_is_full, machine_info
 from specdraft.eval.cli import format_batch_table, format_table, run
 from specdraft.eval.load import load_head
 from specdraft.eval.methods import METHOD_TYPES
@@ -158,13 +158,23 @@ def test_a_time_boxed_bench_stops_between_questions_and_resumes_without_its_box(
     assert report["time_box"] == {"max_seconds": 0.006, "units_left": 1}  # the first question always runs
     assert report["results"]["T=0"]["plain"]["overall"]["turns"] == 2  # question 1: two turns
     assert "max_minutes" not in report["config"]  # a limit of how it runs, not of what it measures
+    clock = json.loads((Path(boxed.paths.output_dir) / TIME_BOX).read_text())
+    assert clock["units"] == 1 and clock["warmup_s"] > 0  # the warm-up ran on the box's clock
     report = run(boxed)  # resumed under the same box: its clock goes on, the box stays finished
     assert report["time_box"]["units_left"] == 1
+    assert json.loads((Path(boxed.paths.output_dir) / TIME_BOX).read_text()) == clock  # no second warm-up
     assert report["results"]["T=0"]["plain"]["overall"]["turns"] == 2
 
     report = run(compose_bench(tmp_path, "eval", "temperatures=[0.0]"))  # resumed without a box
     assert "time_box" not in report
     assert report["results"]["T=0"]["plain"]["overall"]["turns"] == 3
+
+
+def test_the_time_box_counts_its_warm_up():
+    box = {"max_seconds": 7.0, "spent_s": 4.0, "units": 2, "warmup_s": 0.0}
+    assert not box_is_full(box)  # 4 s + a 2 s mean question end at 6 s
+    assert box_is_full({**box, "warmup_s": 1.5})  # 1.5 s of warm-up first: 7.5 s
+    assert not box_is_full({**box, "units": 0, "spent_s": 0.0, "warmup_s": 9.0})  # the first always runs
 
 
 def test_batch_bench_reports_throughput_per_batch_size_and_resumes(tmp_path):
